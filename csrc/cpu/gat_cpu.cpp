@@ -1,0 +1,305 @@
+// CPU kernels for the fused GAT ops (schemas in ../gat.cpp).
+//
+// Forward: one pass per destination over its incoming edges, all heads at once, with an online
+// softmax (running max and sum per head); a source row x_src[j] (H*C contiguous values) is read
+// once per edge. Saves only the log-sum-exp per (destination, head).
+//
+// Backward, without atomics and in a fixed order (bitwise reproducible for any thread count):
+//   pass 1, per destination: recompute alpha = exp(s - lse), D = <g_i, out_i>, dz per edge,
+//           grad a_dst; keep dz and alpha-after-dropout per edge ([E,H] workspaces);
+//   pass 2, per source over the reverse index: grad x_src and grad a_src.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../gat.h"
+
+namespace torch_gradops {
+namespace {
+
+// Nodes per parallel chunk: enough work per task to amortise scheduling.
+int64_t node_grain(int64_t nodes, int64_t edges, int64_t row) {
+  const int64_t work_per_node = std::max<int64_t>(1, (edges / std::max<int64_t>(nodes, 1) + 1) * row);
+  return std::max<int64_t>(1, 32768 / work_per_node);
+}
+
+template <typename scalar_t, typename index_t>
+void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+                    const at::Tensor* edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
+                    const at::Tensor* mask, double negative_slope, double dropout_scale,
+                    at::Tensor& out, at::Tensor& lse, at::Tensor* alpha) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_src = x_src.size(0), H = x_src.size(1), C = x_src.size(2), HC = H * C;
+  const int64_t num_dst = a_dst.size(0), E = indices.numel();
+  const scalar_t* x = x_src.data_ptr<scalar_t>();
+  const scalar_t* as = a_src.data_ptr<scalar_t>();
+  const scalar_t* ad = a_dst.data_ptr<scalar_t>();
+  const scalar_t* el = edge_logits ? edge_logits->data_ptr<scalar_t>() : nullptr;
+  const bool* mk = mask ? mask->data_ptr<bool>() : nullptr;
+  const index_t* ptr = indptr.data_ptr<index_t>();
+  const index_t* idx = indices.data_ptr<index_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  acc_t* lse_p = lse.data_ptr<acc_t>();
+  scalar_t* al = alpha ? alpha->data_ptr<scalar_t>() : nullptr;
+  const acc_t slope = static_cast<acc_t>(negative_slope);
+  const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+
+  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(HC), run_max(H), run_sum(H), adst(H);
+    for (int64_t i = begin; i < end; ++i) {
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      std::fill(run_max.begin(), run_max.end(), neg_inf);
+      std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
+      for (int64_t h = 0; h < H; ++h) adst[h] = static_cast<acc_t>(ad[i * H + h]);
+      const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+      TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t j = idx[e];
+        TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
+        const scalar_t* xj = x + j * HC;
+        for (int64_t h = 0; h < H; ++h) {
+          acc_t z = static_cast<acc_t>(as[j * H + h]) + adst[h];
+          if (el) z += static_cast<acc_t>(el[e * H + h]);
+          const acc_t s = leaky_relu(z, slope);
+          acc_t* a = acc.data() + h * C;
+          if (s > run_max[h]) {  // rescale what was summed under the old maximum
+            const acc_t r = std::exp(run_max[h] - s);
+            run_sum[h] *= r;
+            for (int64_t c = 0; c < C; ++c) a[c] *= r;
+            run_max[h] = s;
+          }
+          const acc_t p = std::exp(s - run_max[h]);
+          run_sum[h] += p;
+          const acc_t w = mk ? (mk[e * H + h] ? p * keep_scale : acc_t(0)) : p;
+          const scalar_t* xjh = xj + h * C;
+          for (int64_t c = 0; c < C; ++c) a[c] += w * static_cast<acc_t>(xjh[c]);
+        }
+      }
+      for (int64_t h = 0; h < H; ++h) {
+        const bool empty = e0 == e1;
+        const acc_t inv = empty ? acc_t(0) : acc_t(1) / run_sum[h];
+        scalar_t* oi = o + i * HC + h * C;
+        const acc_t* a = acc.data() + h * C;
+        for (int64_t c = 0; c < C; ++c) oi[c] = static_cast<scalar_t>(a[c] * inv);
+        lse_p[i * H + h] = empty ? neg_inf : run_max[h] + std::log(run_sum[h]);
+      }
+      if (al) {
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t j = idx[e];
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t z = static_cast<acc_t>(as[j * H + h]) + adst[h];
+            if (el) z += static_cast<acc_t>(el[e * H + h]);
+            acc_t a = std::exp(leaky_relu(z, slope) - lse_p[i * H + h]);
+            if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
+            al[e * H + h] = static_cast<scalar_t>(a);
+          }
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cpu(
+    const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
+    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
+    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    bool return_alpha) {
+  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
+                         dropout_scale);
+  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
+  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
+  at::Tensor el, mask;
+  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
+  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
+  const int64_t num_dst = a_dst.size(0), H = x_src.size(1), C = x_src.size(2), E = indices.numel();
+  auto out = at::empty({num_dst, H, C}, x_src.options());
+  auto lse = at::empty({num_dst, H}, x_src.options().dtype(gat_acc_type(x_src.scalar_type())));
+  auto alpha = at::empty({return_alpha ? E : 0, H}, x_src.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_forward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_forward_cpu_index", [&] {
+      forward_kernel<scalar_t, index_t>(x_src, a_src, a_dst, el.defined() ? &el : nullptr, indptr,
+                                        indices, mask.defined() ? &mask : nullptr, negative_slope,
+                                        dropout_scale, out, lse, return_alpha ? &alpha : nullptr);
+    });
+  });
+  return {out, lse, alpha};
+}
+
+template <typename scalar_t, typename index_t>
+void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, const at::Tensor& out,
+                     const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& a_src,
+                     const at::Tensor& a_dst, const at::Tensor* edge_logits, const at::Tensor& indptr,
+                     const at::Tensor& indices, const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
+                     const at::Tensor& rev_dst, const at::Tensor* mask, double negative_slope,
+                     double dropout_scale, at::Tensor* gx, at::Tensor* gas, at::Tensor* gad,
+                     at::Tensor* gel) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_src = x_src.size(0), H = x_src.size(1), C = x_src.size(2), HC = H * C;
+  const int64_t num_dst = a_dst.size(0), E = indices.numel();
+  const bool need_dz = gas || gad || gel;
+  const scalar_t* g = grad_out.data_ptr<scalar_t>();
+  const scalar_t* ga = grad_alpha ? grad_alpha->data_ptr<scalar_t>() : nullptr;
+  const scalar_t* o = out.data_ptr<scalar_t>();
+  const acc_t* lse_p = lse.data_ptr<acc_t>();
+  const scalar_t* x = x_src.data_ptr<scalar_t>();
+  const scalar_t* as = a_src.data_ptr<scalar_t>();
+  const scalar_t* ad = a_dst.data_ptr<scalar_t>();
+  const scalar_t* el = edge_logits ? edge_logits->data_ptr<scalar_t>() : nullptr;
+  const bool* mk = mask ? mask->data_ptr<bool>() : nullptr;
+  const index_t* ptr = indptr.data_ptr<index_t>();
+  const index_t* idx = indices.data_ptr<index_t>();
+  const acc_t slope = static_cast<acc_t>(negative_slope);
+  const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
+
+  // [E,H] workspaces: dz (for grad a_src) and alpha after dropout (for grad x_src).
+  at::Tensor dz_ws, w_ws;
+  const auto acc_opts = x_src.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  if (gas) dz_ws = at::empty({E, H}, acc_opts);
+  if (gx) w_ws = at::empty({E, H}, acc_opts);
+  acc_t* dzp = gas ? dz_ws.data_ptr<acc_t>() : nullptr;
+  acc_t* wp = gx ? w_ws.data_ptr<acc_t>() : nullptr;
+  scalar_t* gadp = gad ? gad->data_ptr<scalar_t>() : nullptr;
+  scalar_t* gelp = gel ? gel->data_ptr<scalar_t>() : nullptr;
+
+  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> D(H), gad_acc(H), adst(H);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+      TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
+      const scalar_t* gi = g + i * HC;
+      for (int64_t h = 0; h < H; ++h) {
+        adst[h] = static_cast<acc_t>(ad[i * H + h]);
+        gad_acc[h] = acc_t(0);
+        acc_t d = 0;
+        if (need_dz) {
+          const scalar_t* oi = o + i * HC + h * C;
+          for (int64_t c = 0; c < C; ++c) d += static_cast<acc_t>(gi[h * C + c]) * static_cast<acc_t>(oi[c]);
+        }
+        D[h] = d;
+      }
+      if (need_dz && ga) {  // attention weights used directly: D gains sum_e A_e * dL/dA_e
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t j = idx[e];
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t z = static_cast<acc_t>(as[j * H + h]) + adst[h];
+            if (el) z += static_cast<acc_t>(el[e * H + h]);
+            acc_t a = std::exp(leaky_relu(z, slope) - lse_p[i * H + h]);
+            if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
+            D[h] += a * static_cast<acc_t>(ga[e * H + h]);
+          }
+        }
+      }
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t j = idx[e];
+        TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
+        const scalar_t* xj = x + j * HC;
+        for (int64_t h = 0; h < H; ++h) {
+          acc_t z = static_cast<acc_t>(as[j * H + h]) + adst[h];
+          if (el) z += static_cast<acc_t>(el[e * H + h]);
+          const acc_t alpha = std::exp(leaky_relu(z, slope) - lse_p[i * H + h]);
+          const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
+          if (wp) wp[e * H + h] = alpha * keep;
+          if (need_dz) {
+            acc_t dA = 0;
+            const scalar_t* xjh = xj + h * C;
+            const scalar_t* gih = gi + h * C;
+            for (int64_t c = 0; c < C; ++c) dA += static_cast<acc_t>(gih[c]) * static_cast<acc_t>(xjh[c]);
+            if (ga) dA += static_cast<acc_t>(ga[e * H + h]);
+            const acc_t dz = alpha * (dA * keep - D[h]) * leaky_relu_grad(z, slope);
+            if (dzp) dzp[e * H + h] = dz;
+            if (gelp) gelp[e * H + h] = static_cast<scalar_t>(dz);
+            gad_acc[h] += dz;
+          }
+        }
+      }
+      if (gadp) {
+        for (int64_t h = 0; h < H; ++h) gadp[i * H + h] = static_cast<scalar_t>(gad_acc[h]);
+      }
+    }
+  });
+
+  if (!gx && !gas) return;
+  const index_t* rptr = rev_indptr.data_ptr<index_t>();
+  const index_t* redge = rev_edge.data_ptr<index_t>();
+  const index_t* rdst = rev_dst.data_ptr<index_t>();
+  scalar_t* gxp = gx ? gx->data_ptr<scalar_t>() : nullptr;
+  scalar_t* gasp = gas ? gas->data_ptr<scalar_t>() : nullptr;
+  at::parallel_for(0, num_src, node_grain(num_src, E, HC), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> accx(gx ? HC : 0), accs(H);
+    for (int64_t j = begin; j < end; ++j) {
+      std::fill(accx.begin(), accx.end(), acc_t(0));
+      std::fill(accs.begin(), accs.end(), acc_t(0));
+      for (int64_t k = rptr[j]; k < rptr[j + 1]; ++k) {
+        const int64_t e = redge[k], i = rdst[k];
+        for (int64_t h = 0; h < H; ++h) {
+          if (gasp) accs[h] += dzp[e * H + h];
+          if (gxp) {
+            const acc_t w = wp[e * H + h];
+            const scalar_t* gih = g + i * HC + h * C;
+            acc_t* a = accx.data() + h * C;
+            for (int64_t c = 0; c < C; ++c) a[c] += w * static_cast<acc_t>(gih[c]);
+          }
+        }
+      }
+      if (gxp) {
+        for (int64_t f = 0; f < HC; ++f) gxp[j * HC + f] = static_cast<scalar_t>(accx[f]);
+      }
+      if (gasp) {
+        for (int64_t h = 0; h < H; ++h) gasp[j * H + h] = static_cast<scalar_t>(accs[h]);
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cpu(
+    const at::Tensor& grad_out_, const c10::optional<at::Tensor>& grad_alpha_, const at::Tensor& out_,
+    const at::Tensor& lse_, const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
+    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
+    const at::Tensor& rev_indptr_, const at::Tensor& rev_edge_, const at::Tensor& rev_dst_,
+    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    std::array<bool, 4> output_mask) {
+  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
+                         dropout_scale);
+  check_gat_backward_args(grad_out_, grad_alpha_, out_, lse_, x_src_, a_dst_, indices_, rev_indptr_,
+                          rev_edge_, rev_dst_);
+  const auto grad_out = grad_out_.contiguous(), out = out_.contiguous(), lse = lse_.contiguous();
+  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
+  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
+  const auto rev_indptr = rev_indptr_.contiguous(), rev_edge = rev_edge_.contiguous(),
+             rev_dst = rev_dst_.contiguous();
+  at::Tensor el, mask, ga;
+  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
+  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
+  if (grad_alpha_.has_value()) ga = grad_alpha_->contiguous();
+  const bool want_el = output_mask[3] && el.defined();
+  auto empty = x_src.new_empty({0});
+  at::Tensor gx = output_mask[0] ? at::empty_like(x_src) : empty;
+  at::Tensor gas = output_mask[1] ? at::empty_like(a_src) : empty;
+  at::Tensor gad = output_mask[2] ? at::empty_like(a_dst) : empty;
+  at::Tensor gel = want_el ? at::empty({indices.numel(), x_src.size(1)}, x_src.options()) : empty;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_backward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_backward_cpu_index", [&] {
+      backward_kernel<scalar_t, index_t>(
+          grad_out, ga.defined() ? &ga : nullptr, out, lse, x_src, a_src, a_dst,
+          el.defined() ? &el : nullptr, indptr, indices, rev_indptr, rev_edge, rev_dst,
+          mask.defined() ? &mask : nullptr, negative_slope, dropout_scale,
+          output_mask[0] ? &gx : nullptr, output_mask[1] ? &gas : nullptr,
+          output_mask[2] ? &gad : nullptr, want_el ? &gel : nullptr);
+    });
+  });
+  return {gx, gas, gad, gel};
+}
+
+}  // namespace
+}  // namespace torch_gradops
+
+TORCH_LIBRARY_IMPL(torch_gradops, CPU, m) {
+  m.impl("gat_forward", &torch_gradops::gat_forward_cpu);
+  m.impl("gat_backward", &torch_gradops::gat_backward_cpu);
+}

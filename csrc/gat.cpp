@@ -1,0 +1,96 @@
+// Dispatcher for the fused GAT ops: schemas and the argument checks that every backend runs.
+// Kernels: cpu/gat_cpu.cpp (CPU) and cuda/gat_cuda.cu (CUDA). All per-edge tensors are in
+// CSC order; the Python wrapper (torch_gradops/gat.py) maps them from and to edge order.
+#include <torch/library.h>
+
+#include "checks.h"
+#include "gat.h"
+
+namespace torch_gradops {
+
+void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+                            const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr,
+                            const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
+                            double dropout_scale) {
+  check_floating(x_src, "x_src");
+  check_dim(x_src, 3, "x_src");
+  const int64_t num_src = x_src.size(0), heads = x_src.size(1);
+  check_shape(a_src, {num_src, heads}, "a_src");
+  check_dim(a_dst, 2, "a_dst");
+  TORCH_CHECK(a_dst.size(1) == heads, "a_dst must have ", heads, " heads (x_src.size(1)), got ",
+              a_dst.size(1));
+  check_index(indptr, "indptr");
+  check_index(indices, "indices");
+  TORCH_CHECK(indices.scalar_type() == indptr.scalar_type(), "indices and indptr must share one dtype");
+  TORCH_CHECK(indptr.numel() == a_dst.size(0) + 1, "indptr must have num_dst + 1 = ", a_dst.size(0) + 1,
+              " entries (a_dst.size(0) + 1), got ", indptr.numel());
+  for (auto* p : {&a_src, &a_dst}) {
+    TORCH_CHECK(p->scalar_type() == x_src.scalar_type(), (p == &a_src ? "a_src" : "a_dst"),
+                " must have the dtype of x_src (", x_src.scalar_type(), "), got ", p->scalar_type());
+  }
+  check_same_device(x_src, "x_src", a_src, "a_src");
+  check_same_device(x_src, "x_src", a_dst, "a_dst");
+  check_same_device(x_src, "x_src", indptr, "indptr");
+  check_same_device(x_src, "x_src", indices, "indices");
+  const int64_t E = indices.numel();
+  if (edge_logits.has_value()) {
+    check_shape(*edge_logits, {E, heads}, "edge_logits");
+    TORCH_CHECK(edge_logits->scalar_type() == x_src.scalar_type(),
+                "edge_logits must have the dtype of x_src");
+    check_same_device(x_src, "x_src", *edge_logits, "edge_logits");
+  }
+  if (dropout_mask.has_value()) {
+    check_shape(*dropout_mask, {E, heads}, "dropout_mask");
+    TORCH_CHECK(dropout_mask->scalar_type() == at::kBool, "dropout_mask must be a bool tensor, got ",
+                dropout_mask->scalar_type());
+    check_same_device(x_src, "x_src", *dropout_mask, "dropout_mask");
+  }
+  TORCH_CHECK(dropout_scale >= 1.0, "dropout_scale must be 1/(1-p) >= 1, got ", dropout_scale);
+}
+
+void check_gat_backward_args(const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_alpha,
+                             const at::Tensor& out, const at::Tensor& lse, const at::Tensor& x_src,
+                             const at::Tensor& a_dst, const at::Tensor& indices,
+                             const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
+                             const at::Tensor& rev_dst) {
+  const int64_t num_dst = a_dst.size(0), heads = x_src.size(1), channels = x_src.size(2);
+  check_shape(grad_out, {num_dst, heads, channels}, "grad_out");
+  check_shape(out, {num_dst, heads, channels}, "out");
+  check_shape(lse, {num_dst, heads}, "lse");
+  TORCH_CHECK(grad_out.scalar_type() == x_src.scalar_type(), "grad_out must have the dtype of x_src");
+  TORCH_CHECK(lse.scalar_type() == gat_acc_type(x_src.scalar_type()), "lse must be ",
+              gat_acc_type(x_src.scalar_type()), ", got ", lse.scalar_type());
+  if (grad_alpha.has_value()) {
+    check_shape(*grad_alpha, {indices.numel(), heads}, "grad_alpha");
+    TORCH_CHECK(grad_alpha->scalar_type() == x_src.scalar_type(), "grad_alpha must have the dtype of x_src");
+    check_same_device(x_src, "x_src", *grad_alpha, "grad_alpha");
+  }
+  check_index(rev_indptr, "rev_indptr");
+  check_index(rev_edge, "rev_edge");
+  check_index(rev_dst, "rev_dst");
+  TORCH_CHECK(rev_indptr.numel() == x_src.size(0) + 1, "rev_indptr must have num_src + 1 entries");
+  TORCH_CHECK(rev_edge.numel() == indices.numel() && rev_dst.numel() == indices.numel(),
+              "rev_edge and rev_dst must have one entry per edge");
+  for (auto* p : {&rev_indptr, &rev_edge, &rev_dst}) {
+    TORCH_CHECK(p->scalar_type() == indices.scalar_type(), "the reverse index must have the dtype of indices");
+    check_same_device(x_src, "x_src", *p, "reverse index");
+  }
+  check_same_device(x_src, "x_src", grad_out, "grad_out");
+}
+
+}  // namespace torch_gradops
+
+TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
+  // out [num_dst,H,C], lse [num_dst,H] (float32 for half types), alpha [E,H] if return_alpha else [0,H].
+  m.def(
+      "gat_forward(Tensor x_src, Tensor a_src, Tensor a_dst, Tensor? edge_logits, Tensor indptr, "
+      "Tensor indices, Tensor? dropout_mask, float negative_slope, float dropout_scale, "
+      "bool return_alpha) -> (Tensor, Tensor, Tensor)");
+  // Gradients of x_src, a_src, a_dst, edge_logits (CSC order); an entry whose output_mask is
+  // false comes back as an empty tensor and costs no work.
+  m.def(
+      "gat_backward(Tensor grad_out, Tensor? grad_alpha, Tensor out, Tensor lse, Tensor x_src, "
+      "Tensor a_src, Tensor a_dst, Tensor? edge_logits, Tensor indptr, Tensor indices, "
+      "Tensor rev_indptr, Tensor rev_edge, Tensor rev_dst, Tensor? dropout_mask, "
+      "float negative_slope, float dropout_scale, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+}

@@ -1,0 +1,71 @@
+"""Build script for torch_gradops.
+
+Always builds the C++ (CPU) kernels. Adds the CUDA kernels when nvcc and a CUDA
+build of torch are present; ``TORCH_GRADOPS_CUDA=0|1`` forces either way.
+"""
+import glob
+import os
+import sys
+
+import torch
+from setuptools import find_packages, setup
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _want_cuda():
+    forced = os.environ.get("TORCH_GRADOPS_CUDA")
+    if forced is not None:
+        if forced not in ("0", "1"):
+            sys.exit(f"TORCH_GRADOPS_CUDA must be 0 or 1, got {forced!r}")
+        if forced == "1" and (torch.version.cuda is None or CUDA_HOME is None):
+            sys.exit("TORCH_GRADOPS_CUDA=1 but torch is not a CUDA build or nvcc/CUDA_HOME was not found")
+        return forced == "1"
+    return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def _cuda_library_includes():
+    """torch's CUDA headers include cuBLAS/cuSPARSE; wheels of torch ship them under
+    site-packages/nvidia/cu13 (or cu12, or per-library folders), not in CUDA_HOME."""
+    if os.path.exists(os.path.join(CUDA_HOME, "include", "cublas_v2.h")):
+        return []
+    nvidia = os.path.join(os.path.dirname(os.path.dirname(torch.__file__)), "nvidia")
+    found = []
+    for pattern in ("cu13/include", "cu12/include", "*/include"):
+        for path in sorted(glob.glob(os.path.join(nvidia, pattern))):
+            if os.path.isdir(path) and path not in found:
+                found.append(path)
+        if found:
+            break
+    return found
+
+
+def extensions():
+    with_cuda = _want_cuda()
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
+    cxx = ["-O3", "-fopenmp"]  # the C++ standard is what BuildExtension picks for this torch
+    link = ["-fopenmp"]
+    define_macros = []
+    if not with_cuda:
+        return [CppExtension("torch_gradops._C", sources, include_dirs=[os.path.join(ROOT, "csrc")],
+                             extra_compile_args={"cxx": cxx}, extra_link_args=link,
+                             define_macros=define_macros)]
+    if not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # Without a visible GPU torch would target every arch it knows; Ampere and Hopper
+        # (+PTX for newer chips) is what we support and test.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0+PTX"
+    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+    nvcc = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
+    return [CUDAExtension("torch_gradops._C", sources,
+                          include_dirs=[os.path.join(ROOT, "csrc")] + _cuda_library_includes(),
+                          define_macros=define_macros + [("WITH_CUDA", None)],
+                          extra_compile_args={"cxx": cxx, "nvcc": nvcc}, extra_link_args=link)]
+
+
+setup(
+    packages=find_packages(include=["torch_gradops", "torch_gradops.*"]),
+    ext_modules=extensions(),
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    include_package_data=True,
+)
