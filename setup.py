@@ -5,11 +5,31 @@ build of torch are present; ``TORCH_GRADOPS_CUDA=0|1`` forces either way.
 """
 import glob
 import os
+import shutil
 import sys
 
-import torch
-from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+def _find_cuda_home():
+    """A toolkit root with bin/nvcc and lib64/. torch guesses it from `which nvcc`, which is wrong
+    when nvcc on PATH is a wrapper script (here /usr/local/bin/nvcc -> /usr/local/cuda-13.0)."""
+    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH"):
+        return
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in candidates:
+        if os.path.exists(os.path.join(root, "bin", "nvcc")) and os.path.isdir(os.path.join(root, "lib64")):
+            os.environ["CUDA_HOME"] = root
+            return
+
+
+_find_cuda_home()
+
+import torch  # noqa: E402  (after CUDA_HOME is settled: cpp_extension reads it at import)
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 

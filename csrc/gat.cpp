@@ -15,6 +15,8 @@ void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, co
   check_floating(x_src, "x_src");
   check_dim(x_src, 3, "x_src");
   const int64_t num_src = x_src.size(0), heads = x_src.size(1);
+  TORCH_CHECK(heads >= 1 && x_src.size(2) >= 1, "x_src must have at least one head and one channel, got shape ",
+              x_src.sizes());
   check_shape(a_src, {num_src, heads}, "a_src");
   check_dim(a_dst, 2, "a_dst");
   TORCH_CHECK(a_dst.size(1) == heads, "a_dst must have ", heads, " heads (x_src.size(1)), got ",

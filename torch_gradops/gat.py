@@ -85,22 +85,9 @@ def _csc_dst(indptr: torch.Tensor, num_edges: int) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------- autograd
-class GATAttentionFunction(torch.autograd.Function):
-    """Autograd for the fused GAT kernels. All per-edge tensors are in CSC edge order.
-
-    ``forward(x_src, a_src, a_dst, edge_logits, indptr, indices, rev_indptr, rev_edge, rev_dst,
-    dropout_mask, negative_slope, dropout_scale, return_alpha) -> (out, lse, alpha)``
-
-    * ``x_src [num_src, H, C]``, ``a_src [num_src, H]``, ``a_dst [num_dst, H]``,
-      ``edge_logits [E, H]`` or None; ``dropout_mask [E, H]`` bool or None (kept edges).
-    * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (non-differentiable log-sum-exp of the
-      scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
-    * The reverse (source-grouped) index ``rev_*`` is only needed when a gradient is wanted.
-
-    Backward: the deterministic kernel. Under ``create_graph=True`` it switches to a composite
-    differentiable recomputation, so gradients of gradients are exact. Forward-mode AD (``jvp``)
-    is composite as well.
-    """
+class _GATAttentionFirstOrder(torch.autograd.Function):
+    """Forward and backward of :class:`GATAttentionFunction`, without ``jvp``: the class that
+    ``torch.compile`` traces (Dynamo cannot trace a Function that defines ``jvp``)."""
 
     @staticmethod
     def forward(x_src, a_src, a_dst, edge_logits, indptr, indices, rev_indptr, rev_edge, rev_dst,
@@ -172,6 +159,24 @@ class GATAttentionFunction(torch.autograd.Function):
             dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
         result = [g if n else None for g, n in zip((gx, gas, gad, gel), needs)]
         return tuple(result) + none_rest
+
+
+class GATAttentionFunction(_GATAttentionFirstOrder):
+    """Autograd for the fused GAT kernels. All per-edge tensors are in CSC edge order.
+
+    ``forward(x_src, a_src, a_dst, edge_logits, indptr, indices, rev_indptr, rev_edge, rev_dst,
+    dropout_mask, negative_slope, dropout_scale, return_alpha) -> (out, lse, alpha)``
+
+    * ``x_src [num_src, H, C]``, ``a_src [num_src, H]``, ``a_dst [num_dst, H]``,
+      ``edge_logits [E, H]`` or None; ``dropout_mask [E, H]`` bool or None (kept edges).
+    * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (non-differentiable log-sum-exp of the
+      scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
+    * The reverse (source-grouped) index ``rev_*`` is only needed when a gradient is wanted.
+
+    Backward: the deterministic kernel. Under ``create_graph=True`` it switches to a composite
+    differentiable recomputation, so gradients of gradients are exact. Forward-mode AD (``jvp``)
+    is composite as well.
+    """
 
     @staticmethod
     def jvp(ctx, t_x, t_asrc, t_adst, t_el, *_):
@@ -287,7 +292,9 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
         rev_tensors = (rev.indptr, rev.edge, rev.dst)
     else:
         rev_tensors = (None, None, None)
-    out, _, alpha = GATAttentionFunction.apply(
+    # Dynamo cannot trace a Function with a custom jvp; compiled code gets the first-order one.
+    function = _GATAttentionFirstOrder if torch.compiler.is_compiling() else GATAttentionFunction
+    out, _, alpha = function.apply(
         x_src, a_src, a_dst, el, graph.indptr, graph.indices, *rev_tensors, mask,
         float(negative_slope), float(scale), bool(return_attention))
     if return_attention:

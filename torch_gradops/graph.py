@@ -66,6 +66,7 @@ class BipartiteCSC:
         self.perm = None if perm is None else perm.contiguous()
         self._reverse: Optional[_ReverseIndex] = None
         self._dst: Optional[torch.Tensor] = None
+        self._inv_perm: Optional[torch.Tensor] = None
         if validate:
             self._validate()
 
@@ -156,7 +157,9 @@ class BipartiteCSC:
         """Reorder a per-edge tensor from CSC order back to the original edge order."""
         if self.perm is None:
             return values
-        return torch.empty_like(values).index_copy_(0, self.perm, values)
+        if self._inv_perm is None:
+            self._inv_perm = torch.argsort(self.perm).to(self.dtype)
+        return values.index_select(0, self._inv_perm)
 
     def to(self, device) -> "BipartiteCSC":
         """A copy on ``device`` (the reverse index moves along if it was built)."""

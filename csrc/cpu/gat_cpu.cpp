@@ -278,11 +278,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cpu(
   if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
   if (grad_alpha_.has_value()) ga = grad_alpha_->contiguous();
   const bool want_el = output_mask[3] && el.defined();
-  auto empty = x_src.new_empty({0});
-  at::Tensor gx = output_mask[0] ? at::empty_like(x_src) : empty;
-  at::Tensor gas = output_mask[1] ? at::empty_like(a_src) : empty;
-  at::Tensor gad = output_mask[2] ? at::empty_like(a_dst) : empty;
-  at::Tensor gel = want_el ? at::empty({indices.numel(), x_src.size(1)}, x_src.options()) : empty;
+  // Skipped gradients come back as distinct empty tensors (outputs must not alias).
+  auto empty = [&] { return x_src.new_empty({0}); };
+  at::Tensor gx = output_mask[0] ? at::empty_like(x_src) : empty();
+  at::Tensor gas = output_mask[1] ? at::empty_like(a_src) : empty();
+  at::Tensor gad = output_mask[2] ? at::empty_like(a_dst) : empty();
+  at::Tensor gel = want_el ? at::empty({indices.numel(), x_src.size(1)}, x_src.options()) : empty();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_backward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_backward_cpu_index", [&] {
       backward_kernel<scalar_t, index_t>(

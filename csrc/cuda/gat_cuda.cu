@@ -1,0 +1,324 @@
+// CUDA kernels for the fused GAT ops (schemas in ../gat.cpp; CPU twins in ../cpu/gat_cpu.cpp).
+//
+// Forward: a thread per (destination, feature f = h*C + c); it walks the destination's incoming
+// edges once with an online softmax, so a warp reads source rows x_src[j, f..f+31] coalesced.
+// Each thread recomputes its head's score (cheap next to the row gather). The thread with c == 0
+// writes the log-sum-exp (and alpha, when asked).
+//
+// Backward, without atomics and in a fixed order (bitwise reproducible run to run):
+//   pass 1: a warp per (destination, head): D = <g_i, out_i>, per edge dA = <g_i, x_j> by a
+//           fixed-pattern warp reduction, dz and alpha-after-dropout into [E,H] workspaces,
+//           grad a_dst summed in edge order;
+//   pass 2: a thread per (source, feature) over the source-grouped reverse index: grad x_src,
+//           and grad a_src from the threads with c == 0.
+// All offsets that scale with nodes x features or edges are 64-bit.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+
+#include "../gat.h"
+
+namespace torch_gradops {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kThreads = 256;
+constexpr int64_t kMaxBlocks = 65535LL * 32;  // grid-stride beyond this
+
+__device__ __forceinline__ float fast_exp(float x) { return expf(x); }
+__device__ __forceinline__ double fast_exp(double x) { return exp(x); }
+__device__ __forceinline__ float fast_log(float x) { return logf(x); }
+__device__ __forceinline__ double fast_log(double x) { return log(x); }
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+  // Fixed butterfly pattern: every lane ends with the same, order-determined sum.
+#pragma unroll
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ acc_t score_logit(const scalar_t* __restrict__ as, const scalar_t* __restrict__ el,
+                                             int64_t j, int64_t e, int64_t h, int64_t H, acc_t adst) {
+  acc_t z = static_cast<acc_t>(as[j * H + h]) + adst;
+  if (el) z += static_cast<acc_t>(el[e * H + h]);
+  return z;
+}
+
+// Block shape for the per-(node, feature) kernels: x over features, y over nodes.
+dim3 feature_block(int64_t HC) {
+  int tx = 32;
+  while (tx < HC && tx < kThreads) tx *= 2;
+  return dim3(tx, kThreads / tx);
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ as,
+                                   const scalar_t* __restrict__ ad, const scalar_t* __restrict__ el,
+                                   const bool* __restrict__ mk, const index_t* __restrict__ ptr,
+                                   const index_t* __restrict__ idx, scalar_t* __restrict__ out,
+                                   at::opmath_type<scalar_t>* __restrict__ lse, scalar_t* __restrict__ alpha,
+                                   int64_t num_dst, int64_t H, int64_t C,
+                                   at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t HC = H * C;
+  const int64_t f = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (f >= HC) return;
+  const int64_t h = f / C;
+  const bool head_leader = (f % C) == 0;
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; i < num_dst;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+    const acc_t adst = static_cast<acc_t>(ad[i * H + h]);
+    acc_t run_max = neg_inf, run_sum = 0, acc = 0;
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t j = idx[e];
+      const acc_t s = leaky_relu(score_logit(as, el, j, e, h, H, adst), slope);
+      if (s > run_max) {  // rescale what was summed under the old maximum
+        const acc_t r = fast_exp(run_max - s);
+        run_sum *= r;
+        acc *= r;
+        run_max = s;
+      }
+      const acc_t p = fast_exp(s - run_max);
+      run_sum += p;
+      const acc_t w = mk ? (mk[e * H + h] ? p * keep_scale : acc_t(0)) : p;
+      acc += w * static_cast<acc_t>(x[j * HC + f]);
+    }
+    const bool empty = e0 == e1;
+    out[i * HC + f] = static_cast<scalar_t>(empty ? acc_t(0) : acc / run_sum);
+    if (head_leader) {
+      const acc_t l = empty ? neg_inf : run_max + fast_log(run_sum);
+      lse[i * H + h] = l;
+      if (alpha) {
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t j = idx[e];
+          acc_t a = fast_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
+          if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
+          alpha[e * H + h] = static_cast<scalar_t>(a);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void gat_backward_dst_kernel(
+    const scalar_t* __restrict__ g, const scalar_t* __restrict__ ga, const scalar_t* __restrict__ o,
+    const at::opmath_type<scalar_t>* __restrict__ lse, const scalar_t* __restrict__ x,
+    const scalar_t* __restrict__ as, const scalar_t* __restrict__ ad, const scalar_t* __restrict__ el,
+    const bool* __restrict__ mk, const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
+    at::opmath_type<scalar_t>* __restrict__ dz_ws, at::opmath_type<scalar_t>* __restrict__ w_ws,
+    scalar_t* __restrict__ gad, scalar_t* __restrict__ gel, int64_t num_dst, int64_t H, int64_t C,
+    bool need_dz, at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t HC = H * C;
+  const int lane = threadIdx.x % kWarp;
+  const int64_t warps_per_block = blockDim.x / kWarp;
+  const int64_t total = num_dst * H;
+  for (int64_t pair = static_cast<int64_t>(blockIdx.x) * warps_per_block + threadIdx.x / kWarp; pair < total;
+       pair += static_cast<int64_t>(gridDim.x) * warps_per_block) {
+    const int64_t i = pair / H, h = pair % H;
+    const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+    const acc_t adst = static_cast<acc_t>(ad[i * H + h]);
+    const acc_t l = lse[i * H + h];
+    const scalar_t* gih = g + i * HC + h * C;
+    acc_t D = 0;
+    if (need_dz) {
+      acc_t part = 0;
+      const scalar_t* oih = o + i * HC + h * C;
+      for (int64_t c = lane; c < C; c += kWarp) part += static_cast<acc_t>(gih[c]) * static_cast<acc_t>(oih[c]);
+      if (ga) {  // attention weights used directly: D gains sum_e A_e * dL/dA_e
+        for (int64_t e = e0 + lane; e < e1; e += kWarp) {
+          const int64_t j = idx[e];
+          acc_t a = fast_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
+          if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
+          part += a * static_cast<acc_t>(ga[e * H + h]);
+        }
+      }
+      D = warp_sum(part);
+    }
+    acc_t gad_acc = 0;
+    for (int64_t e = e0; e < e1; ++e) {
+      const int64_t j = idx[e];
+      const acc_t z = score_logit(as, el, j, e, h, H, adst);
+      const acc_t alpha = fast_exp(leaky_relu(z, slope) - l);
+      const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
+      if (need_dz) {
+        acc_t part = 0;
+        const scalar_t* xjh = x + j * HC + h * C;
+        for (int64_t c = lane; c < C; c += kWarp) part += static_cast<acc_t>(gih[c]) * static_cast<acc_t>(xjh[c]);
+        acc_t dA = warp_sum(part);
+        if (ga) dA += static_cast<acc_t>(ga[e * H + h]);
+        const acc_t dz = alpha * (dA * keep - D) * leaky_relu_grad(z, slope);
+        gad_acc += dz;
+        if (lane == 0) {
+          if (dz_ws) dz_ws[e * H + h] = dz;
+          if (gel) gel[e * H + h] = static_cast<scalar_t>(dz);
+        }
+      }
+      if (w_ws && lane == 0) w_ws[e * H + h] = alpha * keep;
+    }
+    if (gad && lane == 0) gad[i * H + h] = static_cast<scalar_t>(gad_acc);
+  }
+}
+
+template <typename scalar_t, typename index_t>
+__global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
+                                        const at::opmath_type<scalar_t>* __restrict__ dz_ws,
+                                        const at::opmath_type<scalar_t>* __restrict__ w_ws,
+                                        const index_t* __restrict__ rptr, const index_t* __restrict__ redge,
+                                        const index_t* __restrict__ rdst, scalar_t* __restrict__ gx,
+                                        scalar_t* __restrict__ gas, int64_t num_src, int64_t H, int64_t C) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t HC = H * C;
+  const int64_t f = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (f >= HC) return;
+  const int64_t h = f / C;
+  const bool head_leader = (f % C) == 0;
+  if (!gx && !head_leader) return;
+  for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; j < num_src;
+       j += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    acc_t accx = 0, accs = 0;
+    for (int64_t k = rptr[j], k1 = rptr[j + 1]; k < k1; ++k) {
+      const int64_t e = redge[k], i = rdst[k];
+      if (gx) accx += w_ws[e * H + h] * static_cast<acc_t>(g[i * HC + f]);
+      if (gas && head_leader) accs += dz_ws[e * H + h];
+    }
+    if (gx) gx[j * HC + f] = static_cast<scalar_t>(accx);
+    if (gas && head_leader) gas[j * H + h] = static_cast<scalar_t>(accs);
+  }
+}
+
+template <typename T>
+T* ptr_or_null(const at::Tensor& t) {
+  return t.defined() ? t.data_ptr<T>() : nullptr;
+}
+
+dim3 feature_grid(int64_t nodes, int64_t HC, const dim3& block) {
+  TORCH_CHECK((HC + block.x - 1) / block.x <= 65535, "heads * channels too large for the CUDA kernels: ", HC);
+  const int64_t bx = std::min<int64_t>((nodes + block.y - 1) / block.y, kMaxBlocks);
+  return dim3(static_cast<unsigned>(std::max<int64_t>(bx, 1)), static_cast<unsigned>((HC + block.x - 1) / block.x));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
+    const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
+    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
+    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    bool return_alpha) {
+  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
+                         dropout_scale);
+  const c10::cuda::CUDAGuard guard(x_src_.device());
+  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
+  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
+  at::Tensor el, mask;
+  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
+  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
+  const int64_t num_dst = a_dst.size(0), H = x_src.size(1), C = x_src.size(2), E = indices.numel();
+  auto out = at::empty({num_dst, H, C}, x_src.options());
+  auto lse = at::empty({num_dst, H}, x_src.options().dtype(gat_acc_type(x_src.scalar_type())));
+  auto alpha = at::empty({return_alpha ? E : 0, H}, x_src.options());
+  if (num_dst == 0) return {out, lse, alpha};
+  const dim3 block = feature_block(H * C);
+  const dim3 grid = feature_grid(num_dst, H * C, block);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_forward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_forward_cuda_index", [&] {
+      gat_forward_kernel<scalar_t, index_t><<<grid, block, 0, stream>>>(
+          x_src.data_ptr<scalar_t>(), a_src.data_ptr<scalar_t>(), a_dst.data_ptr<scalar_t>(),
+          ptr_or_null<scalar_t>(el), ptr_or_null<bool>(mask), indptr.data_ptr<index_t>(),
+          indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+          return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, num_dst, H, C,
+          static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return {out, lse, alpha};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cuda(
+    const at::Tensor& grad_out_, const c10::optional<at::Tensor>& grad_alpha_, const at::Tensor& out_,
+    const at::Tensor& lse_, const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
+    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
+    const at::Tensor& rev_indptr_, const at::Tensor& rev_edge_, const at::Tensor& rev_dst_,
+    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    std::array<bool, 4> output_mask) {
+  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
+                         dropout_scale);
+  check_gat_backward_args(grad_out_, grad_alpha_, out_, lse_, x_src_, a_dst_, indices_, rev_indptr_,
+                          rev_edge_, rev_dst_);
+  const c10::cuda::CUDAGuard guard(x_src_.device());
+  const auto grad_out = grad_out_.contiguous(), out = out_.contiguous(), lse = lse_.contiguous();
+  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
+  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
+  const auto rev_indptr = rev_indptr_.contiguous(), rev_edge = rev_edge_.contiguous(),
+             rev_dst = rev_dst_.contiguous();
+  at::Tensor el, mask, ga;
+  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
+  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
+  if (grad_alpha_.has_value()) ga = grad_alpha_->contiguous();
+  const bool want_el = output_mask[3] && el.defined();
+  const bool need_dz = output_mask[1] || output_mask[2] || want_el;
+  const int64_t num_src = x_src.size(0), num_dst = a_dst.size(0), H = x_src.size(1), C = x_src.size(2);
+  const int64_t E = indices.numel();
+  // Skipped gradients come back as distinct empty tensors (outputs must not alias).
+  auto empty = [&] { return x_src.new_empty({0}); };
+  // The kernels write every entry (nodes without edges get zeros), so no zero-fill pass.
+  at::Tensor gx = output_mask[0] ? at::empty_like(x_src) : empty();
+  at::Tensor gas = output_mask[1] ? at::empty_like(a_src) : empty();
+  at::Tensor gad = output_mask[2] ? at::empty_like(a_dst) : empty();
+  at::Tensor gel = want_el ? at::empty({E, H}, x_src.options()) : empty();
+  if (E == 0) {
+    for (auto* t : {&gx, &gas, &gad}) t->zero_();
+    return {gx, gas, gad, gel};
+  }
+  const auto acc_opts = x_src.options().dtype(gat_acc_type(x_src.scalar_type()));
+  at::Tensor dz_ws = output_mask[1] ? at::empty({E, H}, acc_opts) : at::Tensor();
+  at::Tensor w_ws = output_mask[0] ? at::empty({E, H}, acc_opts) : at::Tensor();
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_backward_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_backward_cuda_index", [&] {
+      const int64_t pairs = num_dst * H;
+      const int64_t warps_per_block = kThreads / kWarp;
+      const unsigned blocks1 = static_cast<unsigned>(
+          std::max<int64_t>(1, std::min<int64_t>((pairs + warps_per_block - 1) / warps_per_block, kMaxBlocks)));
+      gat_backward_dst_kernel<scalar_t, index_t><<<blocks1, kThreads, 0, stream>>>(
+          grad_out.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(ga), out.data_ptr<scalar_t>(),
+          lse.data_ptr<acc_t>(), x_src.data_ptr<scalar_t>(), a_src.data_ptr<scalar_t>(),
+          a_dst.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(el), ptr_or_null<bool>(mask),
+          indptr.data_ptr<index_t>(), indices.data_ptr<index_t>(), ptr_or_null<acc_t>(dz_ws),
+          ptr_or_null<acc_t>(w_ws), output_mask[2] ? gad.data_ptr<scalar_t>() : nullptr,
+          want_el ? gel.data_ptr<scalar_t>() : nullptr, num_dst, H, C, need_dz,
+          static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      if (output_mask[0] || output_mask[1]) {
+        const dim3 block = feature_block(H * C);
+        const dim3 grid = feature_grid(num_src, H * C, block);
+        gat_backward_src_kernel<scalar_t, index_t><<<grid, block, 0, stream>>>(
+            grad_out.data_ptr<scalar_t>(), ptr_or_null<acc_t>(dz_ws), ptr_or_null<acc_t>(w_ws),
+            rev_indptr.data_ptr<index_t>(), rev_edge.data_ptr<index_t>(), rev_dst.data_ptr<index_t>(),
+            output_mask[0] ? gx.data_ptr<scalar_t>() : nullptr,
+            output_mask[1] ? gas.data_ptr<scalar_t>() : nullptr, num_src, H, C);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      }
+    });
+  });
+  return {gx, gas, gad, gel};
+}
+
+}  // namespace
+}  // namespace torch_gradops
+
+TORCH_LIBRARY_IMPL(torch_gradops, CUDA, m) {
+  m.impl("gat_forward", &torch_gradops::gat_forward_cuda);
+  m.impl("gat_backward", &torch_gradops::gat_backward_cuda);
+}

@@ -1,0 +1,446 @@
+"""The fused GAT op against the plain-PyTorch reference: values, gradients, autograd, errors."""
+import math
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+from torch.func import jvp
+
+import torch_gradops as tg
+from conftest import DEVICES
+from gat_reference import gat_reference
+
+TOL = {  # (atol, rtol) against the float64 reference
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (6e-2, 5e-2),
+}
+
+
+def make_graph(kind, index_dtype=torch.int64, device="cpu", seed=0):
+    """Edge index [2, E] and node counts for the graph shapes the op must handle."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        ns, nd, e = 23, 17, 90
+        ei = torch.stack([torch.randint(0, ns, (e,), generator=g), torch.randint(0, nd, (e,), generator=g)])
+    elif kind == "zero_in_degree":  # destinations 0..4 get no edge, sources 10.. are isolated
+        ns, nd, e = 20, 15, 60
+        ei = torch.stack([torch.randint(0, 10, (e,), generator=g), torch.randint(5, nd, (e,), generator=g)])
+    elif kind == "duplicates_selfloops":
+        ns = nd = 12
+        base = torch.stack([torch.randint(0, ns, (30,), generator=g), torch.randint(0, nd, (30,), generator=g)])
+        loops = torch.arange(ns).repeat(2, 1)
+        ei = torch.cat([base, base[:, :10], loops], 1)
+    elif kind == "sorted":  # already in CSC order: no permutation kept
+        ns, nd, e = 16, 16, 70
+        ei = torch.stack([torch.randint(0, ns, (e,), generator=g), torch.randint(0, nd, (e,), generator=g)])
+        ei = ei[:, torch.argsort(ei[1], stable=True)]
+    elif kind == "single_node":
+        ns = nd = 1
+        ei = torch.zeros(2, 1, dtype=torch.long)
+    elif kind == "no_edges":
+        ns, nd = 5, 4
+        ei = torch.zeros(2, 0, dtype=torch.long)
+    elif kind == "skewed":  # one hub destination with many edges, many light ones
+        ns, nd = 50, 30
+        hub = torch.stack([torch.arange(ns), torch.zeros(ns, dtype=torch.long)])
+        rest = torch.stack([torch.randint(0, ns, (40,), generator=g), torch.randint(1, nd, (40,), generator=g)])
+        ei = torch.cat([rest, hub], 1)
+    else:
+        raise ValueError(kind)
+    return ei.to(index_dtype).to(device), ns, nd
+
+
+GRAPHS = ["random", "zero_in_degree", "duplicates_selfloops", "sorted", "single_node", "no_edges", "skewed"]
+
+
+def make_inputs(ns, nd, e, heads, channels, dtype, device, seed=1, edge_logits=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(ns, heads, channels, generator=g, dtype=torch.float64)
+    a_src = torch.randn(ns, heads, generator=g, dtype=torch.float64)
+    a_dst = torch.randn(nd, heads, generator=g, dtype=torch.float64)
+    el = torch.randn(e, heads, generator=g, dtype=torch.float64) if edge_logits else None
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype).requires_grad_()
+    return cast(x), cast(a_src), cast(a_dst), cast(el)
+
+
+def grads_of(outputs, inputs, grad_outputs):
+    inputs = [t for t in inputs if t is not None]
+    return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", GRAPHS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_matches_reference_float64(kind, index_dtype, device):
+    ei, ns, nd = make_graph(kind, index_dtype, device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    assert (graph.perm is None) == (kind in ("sorted", "single_node", "no_edges")) or kind == "no_edges"
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), 3, 5, torch.float64, device)
+    out, alpha = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el, return_attention=True)
+    ref, ref_alpha = gat_reference(x, a_src, a_dst, ei, nd, 0.2, el)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(alpha, ref_alpha, atol=1e-12, rtol=1e-10)
+    go = torch.randn_like(out)
+    ga = torch.randn_like(alpha)
+    ours = grads_of((out, alpha), (x, a_src, a_dst, el), (go, ga))
+    theirs = grads_of((ref, ref_alpha), (x, a_src, a_dst, el), (go, ga))
+    for a, b in zip(ours, theirs):
+        b = torch.zeros_like(a) if b is None else b
+        torch.testing.assert_close(a, b, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,channels", [(1, 1), (2, 7), (8, 32), (4, 67), (1, 256)])
+def test_low_precision_against_float64(dtype, heads, channels, device):
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=heads * 1000 + channels)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), heads, channels, dtype, device)
+    out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
+    assert out.dtype == dtype
+    x64, as64, ad64, el64 = (t.detach().double().requires_grad_() for t in (x, a_src, a_dst, el))
+    ref, _ = gat_reference(x64, as64, ad64, ei, nd, 0.2, el64)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    go = torch.randn(out.shape, dtype=torch.float64, device=device)
+    ours = grads_of(out, (x, a_src, a_dst, el), go.to(dtype))
+    theirs = grads_of(ref, (x64, as64, ad64, el64), go)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.double(), b, atol=atol * 4, rtol=rtol * 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["random", "zero_in_degree", "duplicates_selfloops", "no_edges"])
+def test_gradcheck_and_gradgradcheck(kind, device):
+    ei, ns, nd = make_graph(kind, torch.int64, device, seed=3)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, device, seed=4)
+
+    def fn(x, a_src, a_dst, el):
+        return tg.gat_attention(x, a_src, a_dst, graph, 0.2, el, return_attention=True)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_with_dropout(device):
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=5)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, device, seed=6)
+
+    def fn(x, a_src, a_dst, el):
+        torch.manual_seed(7)  # the same mask on every call
+        return tg.gat_attention(x, a_src, a_dst, graph, 0.2, el, dropout=0.4, training=True,
+                                return_attention=True)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_matches_reference_with_the_ops_mask(device):
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=8)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), 4, 6, torch.float64, device)
+    p = 0.3
+    out, alpha = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el, dropout=p, training=True,
+                                  return_attention=True)
+    _, undropped = gat_reference(x, a_src, a_dst, ei, nd, 0.2, el)
+    keep = alpha != 0
+    ref, ref_alpha = gat_reference(x, a_src, a_dst, ei, nd, 0.2, el, keep, 1 / (1 - p))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(alpha, ref_alpha)
+    # kept entries are scaled by 1/(1-p); dropped ones are exactly zero
+    torch.testing.assert_close(alpha[keep], undropped[keep] / (1 - p))
+    # eval mode (training=False) ignores dropout
+    out_eval = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el, dropout=p, training=False)
+    torch.testing.assert_close(out_eval, gat_reference(x, a_src, a_dst, ei, nd, 0.2, el)[0])
+
+
+def test_dropout_rate_and_seed():
+    ns = nd = 200
+    ei = torch.stack([torch.arange(ns).repeat_interleave(50), torch.randint(0, nd, (ns * 50,))])
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, _ = make_inputs(ns, nd, ei.size(1), 4, 2, torch.float32, "cpu", edge_logits=False)
+    for p in (0.1, 0.6):
+        _, alpha = tg.gat_attention(x, a_src, a_dst, graph, dropout=p, training=True, return_attention=True)
+        dropped = (alpha == 0).double().mean().item()
+        n = alpha.numel()
+        assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / n), (p, dropped)
+    torch.manual_seed(3)
+    a1 = tg.gat_attention(x, a_src, a_dst, graph, dropout=0.5, training=True)
+    torch.manual_seed(3)
+    a2 = tg.gat_attention(x, a_src, a_dst, graph, dropout=0.5, training=True)
+    assert torch.equal(a1, a2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_bitwise_deterministic(device):
+    g = torch.Generator().manual_seed(0)
+    n, e = 400, 8000  # hub-heavy: many edges per source, so summation order matters
+    src = torch.randint(0, 20, (e,), generator=g)
+    dst = torch.randint(0, n, (e,), generator=g)
+    ei = torch.stack([src, dst]).to(device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, n, n)
+    x, a_src, a_dst, el = make_inputs(n, n, e, 4, 16, torch.float32, device)
+    go = torch.randn(n, 4, 16, generator=g).to(device)
+
+    def run():
+        out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
+        return [out] + list(torch.autograd.grad(out, (x, a_src, a_dst, el), go))
+
+    first = run()
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, threads):  # the CPU result does not depend on the thread count
+            torch.set_num_threads(n_threads)
+            for a, b in zip(first, run()):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_retain_graph_semantics():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), 2, 4, torch.float64, "cpu")
+    out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
+    loss = out.square().sum()
+    loss.backward(retain_graph=True)
+    first = x.grad.clone()
+    loss.backward()  # second backward allowed with retain_graph=True the first time
+    torch.testing.assert_close(x.grad, 2 * first)
+    out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
+    loss = out.sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        loss.backward()
+
+
+def test_subset_inputs_and_allow_unused():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), 2, 4, torch.float64, "cpu")
+    out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
+    go = torch.randn_like(out)
+    (ga_dst,) = torch.autograd.grad(out, (a_dst,), go, retain_graph=True)
+    ref, _ = gat_reference(x, a_src, a_dst, ei, nd, 0.2, el)
+    torch.testing.assert_close(ga_dst, torch.autograd.grad(ref, (a_dst,), go)[0])
+    unused = torch.zeros(3, requires_grad=True)
+    gx, gu = torch.autograd.grad(out, (x, unused), go, allow_unused=True, retain_graph=True)
+    assert gu is None and gx is not None
+    with pytest.raises(RuntimeError, match="not have been used"):
+        torch.autograd.grad(out, (x, unused), go)
+    # inputs that do not require grad get no gradient and cost no work
+    x2 = x.detach()
+    out2 = tg.gat_attention(x2, a_src, a_dst, graph, 0.2, None)
+    out2.sum().backward()
+    assert x2.grad is None and a_src.grad is not None
+
+
+@pytest.mark.parametrize("with_dropout", [False, True])
+def test_forward_mode_ad_matches_reference(with_dropout):
+    ei, ns, nd = make_graph("duplicates_selfloops")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    primals = [t.detach() for t in make_inputs(ns, nd, ei.size(1), 3, 4, torch.float64, "cpu")]
+    tangents = [torch.randn_like(t) for t in primals]
+    kw = dict(dropout=0.3, training=True) if with_dropout else {}
+
+    def ours(x, a_src, a_dst, el):
+        torch.manual_seed(11)
+        return tg.gat_attention(x, a_src, a_dst, graph, 0.2, el, return_attention=True, **kw)
+
+    _, alpha = ours(*primals)
+    keep = (alpha != 0) if with_dropout else None
+    scale = 1 / 0.7 if with_dropout else 1.0
+
+    def theirs(x, a_src, a_dst, el):
+        return gat_reference(x, a_src, a_dst, ei, nd, 0.2, el, keep, scale)
+
+    (_, t_ours) = jvp(ours, tuple(primals), tuple(tangents))
+    (_, t_ref) = jvp(theirs, tuple(primals), tuple(tangents))
+    for a, b in zip(t_ours, t_ref):
+        torch.testing.assert_close(a, b)
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(p, t) for p, t in zip(primals, tangents)]
+        out, alpha = ours(*duals)
+        torch.testing.assert_close(forward_ad.unpack_dual(out).tangent, t_ref[0])
+        torch.testing.assert_close(forward_ad.unpack_dual(alpha).tangent, t_ref[1])
+
+
+def test_nan_and_inf_propagate_locally():
+    ei = torch.tensor([[0, 1, 2, 2], [0, 0, 1, 2]])
+    graph = tg.BipartiteCSC.from_edge_index(ei, 3, 4)
+    x, a_src, a_dst, _ = make_inputs(3, 4, 4, 1, 2, torch.float32, "cpu", edge_logits=False)
+    x, a_src, a_dst = x.detach(), a_src.detach(), a_dst.detach()
+    x[1, 0, 0] = float("nan")
+    out = tg.gat_attention(x, a_src, a_dst, graph)
+    ref, _ = gat_reference(x, a_src, a_dst, ei, 4)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    assert torch.isnan(out[0, 0, 0]) and not torch.isnan(out[1:]).any()
+    assert torch.equal(out[3], torch.zeros_like(out[3]))  # no incoming edge
+    a_src[2, 0] = float("inf")
+    out = tg.gat_attention(x, a_src, a_dst, graph)
+    ref, _ = gat_reference(x, a_src, a_dst, ei, 4)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+
+
+def test_empty_sizes():
+    graph = tg.BipartiteCSC.from_edge_index(torch.zeros(2, 0, dtype=torch.long), 0, 0)
+    x = torch.zeros(0, 2, 3, requires_grad=True)
+    a = torch.zeros(0, 2, requires_grad=True)
+    out = tg.gat_attention(x, a, a, graph)
+    assert out.shape == (0, 2, 3)
+    out.sum().backward()
+    assert x.grad.shape == x.shape
+
+
+def test_graph_construction_and_validation():
+    ei = torch.tensor([[0, 2, 1, 0], [1, 0, 1, 2]])
+    g = tg.BipartiteCSC.from_edge_index(ei)
+    assert (g.num_src, g.num_dst, g.num_edges) == (3, 3, 4)
+    assert g.indptr.tolist() == [0, 1, 3, 4]
+    assert g.indices.tolist() == [2, 0, 1, 0]
+    assert g.perm.tolist() == [1, 0, 2, 3]
+    rev = g.reverse_index()
+    assert rev is g.reverse_index()  # built once
+    assert rev.indptr.tolist() == [0, 2, 3, 4]
+    assert g.indices[rev.edge].tolist() == [0, 0, 1, 2]
+    vals = torch.arange(4.0)
+    assert torch.equal(g.original_order(g.edge_order(vals)), vals)
+    same = tg.BipartiteCSC.from_csc(g.indptr, g.indices, 3)
+    assert same.perm is None
+    with pytest.raises(IndexError, match="indices"):
+        tg.BipartiteCSC.from_csc(torch.tensor([0, 1]), torch.tensor([5]), 3)
+    with pytest.raises(IndexError, match="indices"):
+        tg.BipartiteCSC.from_csc(torch.tensor([0, 1]), torch.tensor([-1]), 3)
+    with pytest.raises(ValueError, match="monotone"):
+        tg.BipartiteCSC.from_csc(torch.tensor([0, 2, 1, 3]), torch.tensor([0, 0, 0]), 3)
+    with pytest.raises(ValueError, match=r"indptr\[-1\]"):
+        tg.BipartiteCSC.from_csc(torch.tensor([0, 1]), torch.tensor([0, 0]), 3)
+    with pytest.raises(TypeError, match="int32 or int64"):
+        tg.BipartiteCSC.from_csc(torch.tensor([0.0, 1.0]), torch.tensor([0]), 3)
+    with pytest.raises(TypeError, match="share one dtype"):
+        tg.BipartiteCSC.from_csc(torch.tensor([0, 1], dtype=torch.int32), torch.tensor([0]), 3)
+    with pytest.raises(ValueError, match=r"\[2, E\]"):
+        tg.BipartiteCSC.from_edge_index(torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(IndexError, match="destinations"):
+        tg.BipartiteCSC.from_edge_index(torch.tensor([[0], [5]]), 1, 2)
+    with pytest.raises(IndexError, match="indices"):
+        tg.BipartiteCSC.from_edge_index(torch.tensor([[4], [0]]), 2, 2)
+
+
+def test_bad_op_inputs_raise_clear_errors():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = (t.detach() for t in make_inputs(ns, nd, ei.size(1), 2, 3, torch.float32, "cpu"))
+    cases = [
+        (dict(x_src=x.double()), TypeError, "a_src .* must have the dtype of x_src"),
+        (dict(x_src=x.long()), TypeError, "x_src must be float"),
+        (dict(x_src=x[:, :1]), ValueError, "a_src must have shape"),
+        (dict(x_src=x.reshape(ns, -1)), ValueError, r"x_src must have shape \[num_src, heads, channels\]"),
+        (dict(a_dst=a_dst[:-1]), ValueError, "graph.num_dst"),
+        (dict(a_dst=a_dst[:, :1]), ValueError, "a_dst must have shape"),
+        (dict(x_src=x[:-1], a_src=a_src[:-1]), ValueError, "graph.num_src"),
+        (dict(edge_logits=el[:-1]), ValueError, "edge_logits must have shape"),
+        (dict(edge_logits=el.double()), TypeError, "edge_logits"),
+        (dict(dropout=-0.1), ValueError, "dropout must be in"),
+        (dict(dropout=1.0), ValueError, "dropout must be in"),
+        (dict(graph=ei), TypeError, "graph must be a torch_gradops.BipartiteCSC"),
+        (dict(a_src=a_src.to("meta")), ValueError, "a_src .* must be on the device of x_src"),
+    ]
+    base = dict(x_src=x, a_src=a_src, a_dst=a_dst, graph=graph, edge_logits=el)
+    for override, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            tg.gat_attention(**{**base, **override})
+    # the raw op checks too, naming the argument
+    ops = torch.ops.torch_gradops
+    with pytest.raises(RuntimeError, match="indptr must have num_dst \\+ 1"):
+        ops.gat_forward(x, a_src, a_dst, None, graph.indptr[:-1], graph.indices, None, 0.2, 1.0, False)
+    bad_indices = graph.indices.clone()
+    bad_indices[0] = ns + 5
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gat_forward(x, a_src, a_dst, None, graph.indptr, bad_indices, None, 0.2, 1.0, False)
+
+
+def test_cuda_tensor_without_cuda_build_is_a_clear_error(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import torch_gradops._library as lib
+
+    monkeypatch.setattr(lib, "built_with_cuda", lambda: False)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(3, 1, 2, device="cuda")
+    with pytest.raises(RuntimeError, match="built without CUDA support"):
+        lib.check_backend(x, "x_src")
+
+
+def test_opcheck():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = (t.detach() for t in make_inputs(ns, nd, ei.size(1), 2, 3, torch.float32, "cpu"))
+    el = graph.edge_order(el)
+    mask = torch.rand(ei.size(1), 2) > 0.3
+    ops = torch.ops.torch_gradops
+    for args in [
+        (x, a_src, a_dst, el, graph.indptr, graph.indices, None, 0.2, 1.0, True),
+        (x, a_src, a_dst, None, graph.indptr, graph.indices, mask, 0.1, 1.5, False),
+    ]:
+        torch.library.opcheck(ops.gat_forward.default, args)
+    out, lse, _ = ops.gat_forward(x, a_src, a_dst, el, graph.indptr, graph.indices, mask, 0.2, 1.5, False)
+    rev = graph.reverse_index()
+    go = torch.randn_like(out)
+    for mask_out in ([True, True, True, True], [True, False, False, False], [False, True, True, False]):
+        torch.library.opcheck(ops.gat_backward.default,
+                              (go, None, out, lse, x, a_src, a_dst, el, graph.indptr, graph.indices,
+                               rev.indptr, rev.edge, rev.dst, mask, 0.2, 1.5, mask_out))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    graph.reverse_index()
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), 2, 8, torch.float32, "cpu")
+    w = torch.randn(8, 8)
+
+    def f(x, a_src, a_dst, el):
+        out = tg.gat_attention(x @ w, a_src, a_dst, graph, 0.2, el)
+        return torch.nn.functional.elu(out).sum(dim=(1, 2))
+
+    compiled = torch.compile(f, fullgraph=True)
+    eager = f(x, a_src, a_dst, el)
+    got = compiled(x, a_src, a_dst, el)
+    torch.testing.assert_close(got, eager)
+    ge = torch.autograd.grad(eager.sum(), (x, a_src, a_dst, el))
+    gc = torch.autograd.grad(compiled(x, a_src, a_dst, el).sum(), (x, a_src, a_dst, el))
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_mha_gat_n2n_matches_manual_composition():
+    ei, ns, nd = make_graph("random", seed=9)
+    n = max(ns, nd)
+    graph = tg.BipartiteCSC.from_edge_index(ei, n, n)
+    heads, c = 3, 4
+    feat = torch.randn(n, heads * c, dtype=torch.float64, requires_grad=True)
+    att = torch.randn(3 * heads * c, dtype=torch.float64, requires_grad=True)
+    efeat = torch.randn(ei.size(1), heads * c, dtype=torch.float64)
+    out = tg.mha_gat_n2n(feat, att, graph, num_heads=heads, edge_feat=efeat)
+    xs = feat.view(n, heads, c)
+    a = att.view(3, heads, c)
+    ref, _ = gat_reference(xs, (xs * a[0]).sum(-1), (xs * a[1]).sum(-1), ei, n, 0.2,
+                           (efeat.view(-1, heads, c) * a[2]).sum(-1))
+    torch.testing.assert_close(out, ref.reshape(n, heads * c))
+    mean = tg.mha_gat_n2n(feat, att[: 2 * heads * c], graph, num_heads=heads, concat_heads=False)
+    ref2, _ = gat_reference(xs, (xs * a[0]).sum(-1), (xs * a[1]).sum(-1), ei, n)
+    torch.testing.assert_close(mean, ref2.mean(1))
+    torch.autograd.gradcheck(lambda f, w: tg.mha_gat_n2n(f, w, graph, num_heads=heads, edge_feat=efeat),
+                             (feat, att))
+    with pytest.raises(ValueError, match="attn_weights"):
+        tg.mha_gat_n2n(feat, att[:5], graph, num_heads=heads)
+    with pytest.raises(ValueError, match="activation"):
+        tg.mha_gat_n2n(feat, att, graph, num_heads=heads, activation="ELU", edge_feat=efeat)
