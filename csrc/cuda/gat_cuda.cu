@@ -87,7 +87,8 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_
         acc *= r;
         run_max = s;
       }
-      const acc_t p = fast_exp(s - run_max);
+      // A -inf score (a masked edge) weighs 0, also when it comes first (run_max still -inf).
+      const acc_t p = s == neg_inf ? acc_t(0) : fast_exp(s - run_max);
       run_sum += p;
       const acc_t w = mk ? (mk[e * H + h] ? p * keep_scale : acc_t(0)) : p;
       acc += w * static_cast<acc_t>(x[j * HC + f]);
