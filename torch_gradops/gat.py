@@ -205,6 +205,13 @@ class GATAttentionFunction(torch.autograd.Function):
         return t_out.to(out.dtype), None, t_alpha_out
 
 
+class _GATAttentionFunctionCompiled(GATAttentionFunction):
+    """The same Function without the custom ``jvp``: Dynamo refuses to trace an
+    ``autograd.Function`` that defines one ("Unsupported custom jvp"), so under
+    ``torch.compile`` forward-mode AD of the op is unavailable, reverse mode is unchanged."""
+    jvp = torch.autograd.Function.jvp
+
+
 # ---------------------------------------------------------------------------- public API
 def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
     if not isinstance(graph, BipartiteCSC):
@@ -287,7 +294,8 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
         rev_tensors = (rev.indptr, rev.edge, rev.dst)
     else:
         rev_tensors = (None, None, None)
-    out, _, alpha = GATAttentionFunction.apply(
+    fn = _GATAttentionFunctionCompiled if torch.compiler.is_compiling() else GATAttentionFunction
+    out, _, alpha = fn.apply(
         x_src, a_src, a_dst, el, graph.indptr, graph.indices, *rev_tensors, mask,
         float(negative_slope), float(scale), bool(return_attention))
     if return_attention:
