@@ -188,12 +188,12 @@ class GATConv(PyGGATConv):
                 if size is not None:
                     num_loops = min(size)
         if num_dst is None:
-            # `(x_src, None)` without `size`: PyG sizes the output by the largest destination id.
-            if _is_edge_index(edge_index) and edge_index.num_cols is not None and num_loops is None:
+            # `(x_src, None)` without `size`: PyG's propagate falls back to the source count
+            # (or to an EdgeIndex's number of columns).
+            if _is_edge_index(edge_index) and edge_index.num_cols is not None:
                 num_dst = edge_index.num_cols
             else:
-                dst = _edge_list(edge_index)[1]
-                num_dst = max(int(dst.max()) + 1 if dst.numel() else 0, num_loops or 0)
+                num_dst = num_src
 
         graph = _graph_for(edge_index, num_src, num_dst, num_loops)
         trash = num_loops is not None  # the graph has one extra row for the removed self-loops
@@ -295,9 +295,13 @@ class GATConv(PyGGATConv):
             size = (edge_index.size(0), edge_index.size(1))
             build = {torch.sparse_coo: to_torch_coo_tensor, torch.sparse_csr: to_torch_csr_tensor,
                      torch.sparse_csc: to_torch_csc_tensor}[edge_index.layout]
-            adj = build(full, alpha, size)
-            values = adj._values() if adj.layout == torch.sparse_coo else adj.values()
-            return adj, values
+            # PyG's attention follows the value order of that canonical adjacency: row-major
+            # for COO/CSR, column-major for CSC. Permute explicitly (differentiably).
+            major, minor = (full[1], full[0]) if edge_index.layout == torch.sparse_csc else (full[0], full[1])
+            order = torch.argsort(major * max(size[0], size[1], 1) + minor, stable=True)
+            alpha = alpha.index_select(0, order)
+            adj = build(full[:, order], None, size)
+            return set_sparse_value(adj, alpha), alpha
         if num_loops is not None:
             # The exact edge_index PyG returns (type included, e.g. EdgeIndex), from its own utils.
             edge_index, _ = remove_self_loops(edge_index)
