@@ -11,6 +11,7 @@ gradient of the dropped row is zero they contribute exactly zero to every gradie
 Edge order conventions (the ``perm`` of the returned graph maps CSC positions to these ids):
 
 * ids ``0 .. E-1``: the input edges in input order (removed self-loops included, in the trash row);
+  when there is nothing to remove (and not compiling) the trash row is left out;
 * ids ``E .. E+L-1``: the ``L = num_loops`` added self-loops ``(i, i)``, ``i < L``.
 
 Per-edge tensors (edge logits, attention) of the layer live in that "processed" order.
@@ -61,7 +62,8 @@ def build_csc(src: Tensor, dst: Tensor, num_src: int, num_dst: int, num_loops: O
 
     Returns:
         A :class:`BipartiteCSC` with ``num_dst`` destinations, plus one trash row when
-        ``num_loops`` is not None; ``perm`` maps CSC positions to processed edge ids (see module
+        ``num_loops`` is not None and the input has self-loops (always under torch.compile);
+        the caller tells by ``graph.num_dst``. ``perm`` maps CSC positions to processed edge ids (see module
         doc).
     """
     device = src.device
@@ -89,6 +91,9 @@ def build_csc(src: Tensor, dst: Tensor, num_src: int, num_dst: int, num_loops: O
         if L > num_dst or L > num_src:
             raise ValueError(f"cannot add {L} self-loops to a {num_src} x {num_dst} graph")
         is_loop = s == d
+        # The trash row is only needed if the input has self-loops; under torch.compile that
+        # is data-dependent, so there it is always present.
+        trash = torch.compiler.is_compiling() or bool(is_loop.any())
         keep = (~is_loop).long()
         kept_counts = torch.zeros(num_dst, dtype=torch.long, device=device).index_add_(0, d, keep)
         kept_ptr = torch.cat([kept_counts.new_zeros(1), kept_counts.cumsum(0)])  # [num_dst + 1]
@@ -105,8 +110,11 @@ def build_csc(src: Tensor, dst: Tensor, num_src: int, num_dst: int, num_loops: O
         perm = torch.empty(total, dtype=torch.long, device=device)
         perm.index_put_((pos,), ids).index_put_((loop_pos,), loop_ids + E)
         rows = torch.arange(num_dst + 1, device=device)
-        indptr = torch.cat([kept_ptr + rows.clamp(max=L), kept_ptr.new_full((1,), total)])
-        num_rows = num_dst + 1
+        indptr = kept_ptr + rows.clamp(max=L)
+        num_rows = num_dst
+        if trash:
+            indptr = torch.cat([indptr, kept_ptr.new_full((1,), total)])
+            num_rows = num_dst + 1
 
     # The source-grouped reverse index is built lazily by gat_attention (only when a gradient
     # is needed) and then stays with the cached graph.

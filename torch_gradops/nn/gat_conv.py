@@ -135,30 +135,35 @@ class GATConv(PyGGATConv):
     ):
         H, C = self.heads, self.out_channels
 
-        # --- projections: exactly PyG's (shared `lin`, or `lin_src`/`lin_dst` if bipartite).
+        # --- projections: PyG's (shared `lin`, or `lin_src`/`lin_dst` if bipartite).
         res: Optional[Tensor] = None
         if isinstance(x, Tensor):
             assert x.dim() == 2, "Static graphs not supported in 'GATConv'"
             if self.res is not None:
                 res = self.res(x)
-            if self.lin is not None:
-                x_src = x_dst = self.lin(x).view(-1, H, C)
-            else:
-                x_src = self.lin_src(x).view(-1, H, C)
-                x_dst = self.lin_dst(x).view(-1, H, C)
+            x_in_src, x_in_dst = x, x
         else:
-            x_src, x_dst = x
-            assert x_src.dim() == 2, "Static graphs not supported in 'GATConv'"
-            if x_dst is not None and self.res is not None:
-                res = self.res(x_dst)
-            lin_s = self.lin if self.lin is not None else self.lin_src
-            lin_d = self.lin if self.lin is not None else self.lin_dst
-            x_src = lin_s(x_src).view(-1, H, C)
-            if x_dst is not None:
-                x_dst = lin_d(x_dst).view(-1, H, C)
+            x_in_src, x_in_dst = x
+            assert x_in_src.dim() == 2, "Static graphs not supported in 'GATConv'"
+            if x_in_dst is not None and self.res is not None:
+                res = self.res(x_in_dst)
+        lin_s = self.lin if self.lin is not None else self.lin_src
+        lin_d = self.lin if self.lin is not None else self.lin_dst
+        x_src = lin_s(x_in_src).view(-1, H, C)
+        if (x_in_dst is not None and lin_d is not lin_s
+                and isinstance(lin_d.weight, torch.nn.parameter.UninitializedParameter)):
+            # The destination projection itself is never needed (only its attention logits,
+            # through the folded weight), but a lazy `lin_dst` initialises on its first call,
+            # at the point of PyG's forward where it would: keep that (and the RNG draws).
+            lin_d(x_in_dst)
 
-        alpha_src = (x_src * self.att_src).sum(dim=-1)
-        alpha_dst = None if x_dst is None else (x_dst * self.att_dst).sum(dim=-1)
+        # --- node attention logits [N, H]. PyG computes (lin(x) * att).sum(-1), an N x H x C
+        # product and reduction (and the same again in backward); folding `att` into the
+        # projection weight first, x @ W_att with W_att [F, H], is the same linear map at a
+        # fraction of the cost (lin has no bias).
+        alpha_src = x_in_src @ self._fold(lin_s, self.att_src)
+        alpha_dst = None if x_in_dst is None else x_in_dst @ self._fold(lin_d, self.att_dst)
+        num_dst_rows = None if x_in_dst is None else x_in_dst.size(0)
 
         # --- node counts, as PyG's propagate infers them.
         sparse = isinstance(edge_index, SparseTensor) or is_torch_sparse_tensor(edge_index)
@@ -174,17 +179,17 @@ class GATConv(PyGGATConv):
                 raise ValueError(f"GATConv: size[0]={size[0]} but x has {num_src} source rows")
             if size[1] is not None:
                 num_dst = size[1]
-        if x_dst is not None:
-            if num_dst is not None and num_dst != x_dst.size(0):
-                raise ValueError(f"GATConv: {num_dst} destinations expected but x_dst has {x_dst.size(0)} rows")
-            num_dst = x_dst.size(0)
+        if num_dst_rows is not None:
+            if num_dst is not None and num_dst != num_dst_rows:
+                raise ValueError(f"GATConv: {num_dst} destinations expected but x_dst has {num_dst_rows} rows")
+            num_dst = num_dst_rows
 
         num_loops: Optional[int] = None
         if self.add_self_loops:
             if sparse:
                 num_loops = min(edge_index.size(0), edge_index.size(1))
             else:
-                num_loops = num_src if x_dst is None else min(num_src, x_dst.size(0))
+                num_loops = num_src if num_dst_rows is None else min(num_src, num_dst_rows)
                 if size is not None:
                     num_loops = min(size)
         if num_dst is None:
@@ -196,14 +201,13 @@ class GATConv(PyGGATConv):
                 num_dst = num_src
 
         graph = _graph_for(edge_index, num_src, num_dst, num_loops)
-        trash = num_loops is not None  # the graph has one extra row for the removed self-loops
+        trash = graph.num_dst == num_dst + 1  # one extra row holding the removed self-loops
 
         # --- edge-feature logits [E (+ loops), H] = edge_attr @ W, W [edge_dim, H].
         edge_logits: Optional[Tensor] = None
         if edge_attr is not None and self.lin_edge is not None:
             ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
-            w = self.lin_edge.weight.view(H, C, -1) * self.att_edge.view(H, C, 1)
-            w = w.sum(dim=1).t()  # [edge_dim, H]
+            w = self._fold(self.lin_edge, self.att_edge)  # [edge_dim, H]
             edge_logits = ea @ w
             if num_loops is not None:
                 edge_logits = torch.cat([edge_logits, self._loop_attr(ea, edge_index, num_loops) @ w])
@@ -228,7 +232,7 @@ class GATConv(PyGGATConv):
             out = out[:num_dst]
         # PyG multiplies float32 attention by the (possibly autocast-half) features: match its
         # output dtype.
-        out_dtype = torch.promote_types(x_src.dtype, alpha_src.dtype)
+        out_dtype = torch.promote_types(x_src.dtype, self.att_src.dtype)
         out = out.to(out_dtype)
         if drop_all:
             out = out * 0.0
@@ -248,6 +252,11 @@ class GATConv(PyGGATConv):
         return out
 
     # ------------------------------------------------------------------ helpers
+    def _fold(self, lin, att: Tensor) -> Tensor:
+        """``W [in, H]`` with ``x @ W == (lin(x).view(-1, H, C) * att).sum(-1)`` (lin has no bias)."""
+        H, C = self.heads, self.out_channels
+        return (lin.weight.view(H, C, -1) * att.view(H, C, 1)).sum(dim=1).t()
+
     def _loop_attr(self, edge_attr: Tensor, edge_index, num_loops: int) -> Tensor:
         """Edge features of the added self-loops, ``[num_loops, edge_dim]``, by ``fill_value``.
 
