@@ -158,7 +158,8 @@ class BipartiteCSC:
         """Reorder a per-edge tensor from CSC order back to the original edge order."""
         if self.perm is None:
             return values
-        return torch.empty_like(values).index_copy_(0, self.perm, values)
+        # index_copy_ takes int64 indices only; perm may be int32 (an int32 graph).
+        return torch.empty_like(values).index_copy_(0, self.perm.long(), values)
 
     def to(self, device) -> "BipartiteCSC":
         """A copy on ``device`` (the reverse index moves along if it was built)."""
