@@ -102,7 +102,8 @@ def worker(args) -> dict:
     else:
         peak = _status_kb("VmHWM") * 1024 - base
     times.sort()
-    return {"median_s": times[len(times) // 2], "times_s": times, "peak_extra_bytes": peak}
+    return {"median_s": times[len(times) // 2], "times_s": times, "peak_extra_bytes": peak,
+            "loadavg_1min_after": os.getloadavg()[0]}
 
 
 # ---------------------------------------------------------------------------- driver side
@@ -226,6 +227,9 @@ def main():
             "timing": f"median of {a.repeats} runs after 1 warm-up run (ours' cached CSC conversion "
                       "happens in the warm-up); fwd under torch.no_grad(), fwd+bwd = forward + "
                       "out.sum().backward() into the parameters",
+            "contention": "the CPU is shared with other jobs: loadavg_1min_after per run records the "
+                          "machine's 1-minute load average (above the thread count means the timings "
+                          "were slowed by other processes)",
             "memory": ("CUDA: max_memory_allocated minus memory_allocated at the start"
                        if a.device.startswith("cuda") else
                        "CPU: VmHWM - VmRSS from /proc/self/status, after malloc_trim(0) and a VmHWM "

@@ -118,6 +118,10 @@ def build_csc(src: Tensor, dst: Tensor, num_src: int, num_dst: int, num_loops: O
 
     # The source-grouped reverse index is built lazily by gat_attention (only when a gradient
     # is needed) and then stays with the cached graph.
+    if indices.numel() < 2**31 and max(num_src, num_rows) < 2**31:
+        # int32 ids halve the cached graph (and the kernels' index traffic).
+        indptr, indices = indptr.int(), indices.int()
+        perm = None if perm is None else perm.int()
     graph = BipartiteCSC(indptr, indices, num_src, perm, validate=False)
     assert graph.num_dst == num_rows
     return graph
