@@ -123,6 +123,10 @@ def test_homogeneous_matches_pyg(kw, loops):
     if not loops:  # no self-loops in the input: the CSC needs no scratch row
         ei = ei[:, ei[0] != ei[1]]
     run_both(theirs, ours, x, ei)
+    with torch.no_grad():  # the inference path (in-place bias/residual add)
+        ref = theirs(x, ei)
+        close(ours(x, ei), ref)
+        close(ours(x, ei), ref)
 
 
 @pytest.mark.parametrize("fill_value", ["mean", "add", "max", "min", "mul", 0.5, "tensor"])
@@ -493,9 +497,17 @@ def test_csc_cache_no_resort(monkeypatch):
         conv1(x, to_torch_csr_tensor(torch.unique(sorted_ei, dim=1).flip(0), size=(50, 50)))
         conv1(x, sorted_ei)  # a plain tensor already sorted by destination: checked, not sorted
         assert calls == {"build": 3, "argsort": 0}
-    # the cache entry goes away with its edge_index
+    # the cache entry goes away with its edge_index (the cached graph holds no view of it,
+    # even for a sorted int32 edge_index taken as it is)
     n = len(gat_conv_mod._CSC_CACHE)
     del ei2
+    assert len(gat_conv_mod._CSC_CACHE) == n - 1
+    _, conv3 = pair(16, 8, heads=2, add_self_loops=False)
+    ei32 = sorted_ei.int()
+    with torch.no_grad():
+        conv3(x, ei32)
+    assert len(gat_conv_mod._CSC_CACHE) == n
+    del ei32
     assert len(gat_conv_mod._CSC_CACHE) == n - 1
     tgnn.clear_csc_cache()
     assert len(gat_conv_mod._CSC_CACHE) == 0

@@ -242,10 +242,14 @@ class GATConv(PyGGATConv):
             out = out.reshape(-1, H * C)
         else:
             out = out.mean(dim=1)
+        # Without autograd recording, `out` is a fresh tensor nobody else holds: add in place
+        # (saves one [N, H*C] buffer in inference). With autograd, the op saved `out` for its
+        # backward, so it must not be modified.
+        in_place = not (torch.is_grad_enabled() and out.requires_grad) and out.dtype == out_dtype
         if res is not None:
-            out = out + res
+            out = out.add_(res) if in_place and res.dtype == out.dtype else out + res
         if self.bias is not None:
-            out = out + self.bias
+            out = out.add_(self.bias) if in_place and self.bias.dtype == out.dtype else out + self.bias
 
         if return_attention_weights:
             return out, self._attention_result(edge_index, alpha.to(out_dtype), num_loops)
