@@ -674,6 +674,23 @@ def test_compiled_two_layer_gat_matches_eager():
     assert torch.isfinite(out).all()
 
 
+def test_compiled_dynamic_shapes_and_attention_weights():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    conv = GATConv(16, 8, heads=2).eval()
+    att = torch.compile(lambda x, ei: conv(x, ei, return_attention_weights=True), fullgraph=True)
+    x, ei = torch.randn(40, 16), random_graph(40, 40, 200)
+    o, (e, a) = att(x, ei)
+    r, (e2, a2) = conv(x, ei, return_attention_weights=True)
+    close(o, r)
+    assert torch.equal(e, e2)
+    close(a, a2)
+    dyn = torch.compile(conv, fullgraph=True, dynamic=True)
+    for n, m in ((40, 200), (55, 300)):  # other node and edge counts: no recompilation needed
+        x, ei = torch.randn(n, 16), random_graph(n, n, m, seed=n)
+        close(dyn(x, ei), conv(x, ei))
+
+
 # ------------------------------------------------------------------------------ Cora
 def test_cora_loader():
     from torch_gradops.datasets import load_cora, planetoid_dir
