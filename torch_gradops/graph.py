@@ -142,9 +142,11 @@ class BipartiteCSC:
         """Source-grouped edge lists (built once): ``indptr [num_src+1]``, ``edge [E]``, ``dst [E]``."""
         if self._reverse is None:
             edge = torch.argsort(self.indices, stable=True)
-            counts = torch.bincount(self.indices, minlength=self.num_src)
-            indptr = torch.zeros(self.num_src + 1, dtype=torch.long, device=self.device)
-            torch.cumsum(counts, 0, out=indptr[1:])
+            # searchsorted over the sorted sources rather than bincount: its output size is
+            # static (num_src + 1), so torch.compile can trace it without a graph break.
+            indptr = torch.searchsorted(
+                self.indices.index_select(0, edge),
+                torch.arange(self.num_src + 1, device=self.device, dtype=self.dtype))
             self._reverse = _ReverseIndex(indptr.to(self.dtype), edge.to(self.dtype).contiguous(),
                                           self.dst_index()[edge].contiguous())
         return self._reverse
