@@ -1,0 +1,90 @@
+"""Multi-process runs with the gloo backend on 127.0.0.1 (bounded time, processes always reaped)."""
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torch_gradops.distributed import launch, split_by_cost
+
+EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+TIMEOUT = 240
+
+
+def _example():
+    if EXAMPLES not in sys.path:
+        sys.path.insert(0, EXAMPLES)
+    import distributed_gat
+    return distributed_gat
+
+
+# --------------------------------------------------------------------------- launcher
+def _echo(rank, world_size, value):
+    import torch.distributed as dist
+    t = torch.tensor([float(rank + value)])
+    dist.all_reduce(t)
+    return rank, world_size, t.item()
+
+
+def _fail_on_rank_one(rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one fails on purpose")
+    return rank
+
+
+def _hang(rank, world_size):
+    import time
+    time.sleep(60)
+
+
+def test_launch_returns_results_and_reports_failures():
+    assert launch(_echo, 2, 10) == [(0, 2, 21.0), (1, 2, 21.0)]
+    with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*rank one fails on purpose"):
+        launch(_fail_on_rank_one, 2)
+    with pytest.raises(RuntimeError, match="did not finish within"):
+        launch(_hang, 2, timeout=3)
+
+
+def test_split_by_cost_balances_and_covers():
+    costs = [5, 1, 1, 1, 1, 1, 4, 2]
+    groups = split_by_cost(costs, 3)
+    assert sorted(i for g in groups for i in g) == list(range(len(costs)))
+    loads = [sum(costs[i] for i in g) for g in groups]
+    assert max(loads) - min(loads) <= max(costs)
+    assert split_by_cost([1.0], 3) == [[0], [], []]
+    with pytest.raises(ValueError):
+        split_by_cost([1.0], 0)
+
+
+# --------------------------------------------------------------------------- DDP GAT
+def _ddp_gat(rank, world_size, epochs):
+    return _example().train(rank, world_size, epochs=epochs, batch_size=35, dropout=0.0, seed=0)
+
+
+def test_ddp_gat_matches_single_process_on_the_same_batches():
+    ex = _example()
+    epochs, world = 2, 2
+    results = launch(_ddp_gat, world, epochs, timeout=TIMEOUT)
+    for key, value in results[0]["state_dict"].items():  # DDP keeps the replicas identical
+        assert torch.equal(value, results[1]["state_dict"][key]), key
+
+    # One process, one step per pair of rank batches, on the mean of the two losses: what
+    # DDP's gradient averaging computes.
+    from torch_gradops.datasets import load_cora
+    data = load_cora(normalize_features=True)
+    model = ex.make_model(data.num_features, int(data.y.max()) + 1, 0.0, 0)
+    opt = torch.optim.Adam(model.parameters(), lr=0.005, weight_decay=5e-4)
+    model.train()
+    steps = 0
+    for epoch in range(epochs):
+        per_rank = [list(ex.rank_batches(data, r, world, 35, 2, epoch, 0)) for r in range(world)]
+        for batches in zip(*per_rank):
+            opt.zero_grad()
+            loss = sum(F.cross_entropy(model(x, ei)[pos], y) for x, ei, pos, y in batches) / world
+            loss.backward()
+            opt.step()
+            steps += 1
+    assert steps == len(results[0]["losses"]) > 0
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(results[0]["state_dict"][key], value, atol=2e-5, rtol=1e-4, msg=key)
