@@ -80,6 +80,60 @@ void check_gat_backward_args(const at::Tensor& grad_out, const c10::optional<at:
   check_same_device(x_src, "x_src", grad_out, "grad_out");
 }
 
+namespace {
+at::Tensor contiguous_or_undefined(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+}  // namespace
+
+GatForwardArgs prepare_gat_forward(const at::Tensor& x_src, const at::Tensor& a_src,
+                                   const at::Tensor& a_dst, const c10::optional<at::Tensor>& edge_logits,
+                                   const at::Tensor& indptr, const at::Tensor& indices,
+                                   const c10::optional<at::Tensor>& dropout_mask, double dropout_scale) {
+  check_gat_forward_args(x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask, dropout_scale);
+  return {x_src.contiguous(), a_src.contiguous(), a_dst.contiguous(), contiguous_or_undefined(edge_logits),
+          indptr.contiguous(), indices.contiguous(), contiguous_or_undefined(dropout_mask)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gat_outputs(const GatForwardArgs& a, bool return_alpha) {
+  const int64_t num_dst = a.a_dst.size(0), H = a.x_src.size(1), C = a.x_src.size(2);
+  const auto opts = a.x_src.options();
+  return {at::empty({num_dst, H, C}, opts),
+          at::empty({num_dst, H}, opts.dtype(gat_acc_type(a.x_src.scalar_type()))),
+          at::empty({return_alpha ? a.indices.numel() : 0, H}, opts)};
+}
+
+GatBackwardArgs prepare_gat_backward(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_alpha, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+    const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
+    const at::Tensor& rev_indptr, const at::Tensor& rev_edge, const at::Tensor& rev_dst,
+    const c10::optional<at::Tensor>& dropout_mask, double dropout_scale, std::array<bool, 4> output_mask) {
+  GatBackwardArgs a;
+  a.fwd = prepare_gat_forward(x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask, dropout_scale);
+  check_gat_backward_args(grad_out, grad_alpha, out, lse, x_src, a_dst, indices, rev_indptr, rev_edge, rev_dst);
+  a.grad_out = grad_out.contiguous();
+  a.grad_alpha = contiguous_or_undefined(grad_alpha);
+  a.out = out.contiguous();
+  a.lse = lse.contiguous();
+  a.rev_indptr = rev_indptr.contiguous();
+  a.rev_edge = rev_edge.contiguous();
+  a.rev_dst = rev_dst.contiguous();
+  a.want_x = output_mask[0];
+  a.want_a_src = output_mask[1];
+  a.want_a_dst = output_mask[2];
+  a.want_edge_logits = output_mask[3] && edge_logits.has_value();
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_gat_gradients(const GatBackwardArgs& a) {
+  const auto& f = a.fwd;
+  auto empty = [&] { return f.x_src.new_empty({0}); };
+  return {a.want_x ? at::empty_like(f.x_src) : empty(), a.want_a_src ? at::empty_like(f.a_src) : empty(),
+          a.want_a_dst ? at::empty_like(f.a_dst) : empty(),
+          a.want_edge_logits ? at::empty({f.indices.numel(), f.x_src.size(1)}, f.x_src.options()) : empty()};
+}
+
 }  // namespace torch_gradops
 
 TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {

@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Optional.h>
 
+#include <array>
 #include <tuple>
 
 namespace torch_gradops {
@@ -20,6 +21,37 @@ void check_gat_backward_args(const at::Tensor& grad_out, const c10::optional<at:
                              const at::Tensor& a_dst, const at::Tensor& indices,
                              const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
                              const at::Tensor& rev_dst);
+
+// gat_forward's tensors after check_gat_forward_args, made contiguous; an absent optional is an
+// undefined tensor. Both backends start from this.
+struct GatForwardArgs {
+  at::Tensor x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask;
+};
+GatForwardArgs prepare_gat_forward(const at::Tensor& x_src, const at::Tensor& a_src,
+                                   const at::Tensor& a_dst, const c10::optional<at::Tensor>& edge_logits,
+                                   const at::Tensor& indptr, const at::Tensor& indices,
+                                   const c10::optional<at::Tensor>& dropout_mask, double dropout_scale);
+
+// gat_forward's outputs, allocated: out [num_dst,H,C], lse [num_dst,H], alpha [E or 0, H].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gat_outputs(const GatForwardArgs& a, bool return_alpha);
+
+// gat_backward's tensors, checked and contiguous, and which gradients to compute (the edge
+// logits' only when they were given).
+struct GatBackwardArgs {
+  GatForwardArgs fwd;
+  at::Tensor grad_out, grad_alpha, out, lse, rev_indptr, rev_edge, rev_dst;
+  bool want_x, want_a_src, want_a_dst, want_edge_logits;
+};
+GatBackwardArgs prepare_gat_backward(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_alpha, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+    const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
+    const at::Tensor& rev_indptr, const at::Tensor& rev_edge, const at::Tensor& rev_dst,
+    const c10::optional<at::Tensor>& dropout_mask, double dropout_scale, std::array<bool, 4> output_mask);
+
+// gat_backward's gradients, allocated (uninitialised); a skipped one is a distinct empty tensor,
+// since op outputs must not alias.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_gat_gradients(const GatBackwardArgs& a);
 
 // dtype in which half types accumulate and the log-sum-exp is kept.
 inline at::ScalarType gat_acc_type(at::ScalarType t) {

@@ -123,26 +123,19 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cpu(
-    const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
-    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
-    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+    const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
+    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale,
     bool return_alpha) {
-  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
-                         dropout_scale);
-  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
-  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
-  at::Tensor el, mask;
-  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
-  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
-  const int64_t num_dst = a_dst.size(0), H = x_src.size(1), C = x_src.size(2), E = indices.numel();
-  auto out = at::empty({num_dst, H, C}, x_src.options());
-  auto lse = at::empty({num_dst, H}, x_src.options().dtype(gat_acc_type(x_src.scalar_type())));
-  auto alpha = at::empty({return_alpha ? E : 0, H}, x_src.options());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_forward_cpu", [&] {
-    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_forward_cpu_index", [&] {
-      forward_kernel<scalar_t, index_t>(x_src, a_src, a_dst, el.defined() ? &el : nullptr, indptr,
-                                        indices, mask.defined() ? &mask : nullptr, negative_slope,
-                                        dropout_scale, out, lse, return_alpha ? &alpha : nullptr);
+  const auto a = prepare_gat_forward(x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask,
+                                     dropout_scale);
+  at::Tensor out, lse, alpha;
+  std::tie(out, lse, alpha) = allocate_gat_outputs(a, return_alpha);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gat_forward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gat_forward_cpu_index", [&] {
+      forward_kernel<scalar_t, index_t>(a.x_src, a.a_src, a.a_dst, a.edge_logits.defined() ? &a.edge_logits : nullptr,
+                                        a.indptr, a.indices, a.dropout_mask.defined() ? &a.dropout_mask : nullptr,
+                                        negative_slope, dropout_scale, out, lse, return_alpha ? &alpha : nullptr);
     });
   });
   return {out, lse, alpha};
@@ -291,40 +284,26 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cpu(
-    const at::Tensor& grad_out_, const c10::optional<at::Tensor>& grad_alpha_, const at::Tensor& out_,
-    const at::Tensor& lse_, const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
-    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
-    const at::Tensor& rev_indptr_, const at::Tensor& rev_edge_, const at::Tensor& rev_dst_,
-    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_alpha, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+    const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
+    const at::Tensor& rev_indptr, const at::Tensor& rev_edge, const at::Tensor& rev_dst,
+    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale,
     std::array<bool, 4> output_mask) {
-  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
-                         dropout_scale);
-  check_gat_backward_args(grad_out_, grad_alpha_, out_, lse_, x_src_, a_dst_, indices_, rev_indptr_,
-                          rev_edge_, rev_dst_);
-  const auto grad_out = grad_out_.contiguous(), out = out_.contiguous(), lse = lse_.contiguous();
-  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
-  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
-  const auto rev_indptr = rev_indptr_.contiguous(), rev_edge = rev_edge_.contiguous(),
-             rev_dst = rev_dst_.contiguous();
-  at::Tensor el, mask, ga;
-  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
-  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
-  if (grad_alpha_.has_value()) ga = grad_alpha_->contiguous();
-  const bool want_el = output_mask[3] && el.defined();
-  // Skipped gradients come back as distinct empty tensors (outputs must not alias).
-  auto empty = [&] { return x_src.new_empty({0}); };
-  at::Tensor gx = output_mask[0] ? at::empty_like(x_src) : empty();
-  at::Tensor gas = output_mask[1] ? at::empty_like(a_src) : empty();
-  at::Tensor gad = output_mask[2] ? at::empty_like(a_dst) : empty();
-  at::Tensor gel = want_el ? at::empty({indices.numel(), x_src.size(1)}, x_src.options()) : empty();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_backward_cpu", [&] {
-    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_backward_cpu_index", [&] {
+  const auto a = prepare_gat_backward(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge_logits, indptr,
+                                      indices, rev_indptr, rev_edge, rev_dst, dropout_mask, dropout_scale,
+                                      output_mask);
+  at::Tensor gx, gas, gad, gel;
+  std::tie(gx, gas, gad, gel) = allocate_gat_gradients(a);
+  const auto& f = a.fwd;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, f.x_src.scalar_type(), "gat_backward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(f.indices.scalar_type(), "gat_backward_cpu_index", [&] {
       backward_kernel<scalar_t, index_t>(
-          grad_out, ga.defined() ? &ga : nullptr, out, lse, x_src, a_src, a_dst,
-          el.defined() ? &el : nullptr, indptr, indices, rev_indptr, rev_edge, rev_dst,
-          mask.defined() ? &mask : nullptr, negative_slope, dropout_scale,
-          output_mask[0] ? &gx : nullptr, output_mask[1] ? &gas : nullptr,
-          output_mask[2] ? &gad : nullptr, want_el ? &gel : nullptr);
+          a.grad_out, a.grad_alpha.defined() ? &a.grad_alpha : nullptr, a.out, a.lse, f.x_src, f.a_src, f.a_dst,
+          f.edge_logits.defined() ? &f.edge_logits : nullptr, f.indptr, f.indices, a.rev_indptr, a.rev_edge,
+          a.rev_dst, f.dropout_mask.defined() ? &f.dropout_mask : nullptr, negative_slope, dropout_scale,
+          a.want_x ? &gx : nullptr, a.want_a_src ? &gas : nullptr, a.want_a_dst ? &gad : nullptr,
+          a.want_edge_logits ? &gel : nullptr);
     });
   });
   return {gx, gas, gad, gel};

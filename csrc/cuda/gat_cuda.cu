@@ -210,33 +210,27 @@ dim3 feature_grid(int64_t nodes, int64_t HC, const dim3& block) {
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
-    const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
-    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
-    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+    const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
+    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale,
     bool return_alpha) {
-  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
-                         dropout_scale);
-  const c10::cuda::CUDAGuard guard(x_src_.device());
-  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
-  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
-  at::Tensor el, mask;
-  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
-  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
-  const int64_t num_dst = a_dst.size(0), H = x_src.size(1), C = x_src.size(2), E = indices.numel();
-  auto out = at::empty({num_dst, H, C}, x_src.options());
-  auto lse = at::empty({num_dst, H}, x_src.options().dtype(gat_acc_type(x_src.scalar_type())));
-  auto alpha = at::empty({return_alpha ? E : 0, H}, x_src.options());
+  const auto a = prepare_gat_forward(x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask,
+                                     dropout_scale);
+  const c10::cuda::CUDAGuard guard(a.x_src.device());
+  at::Tensor out, lse, alpha;
+  std::tie(out, lse, alpha) = allocate_gat_outputs(a, return_alpha);
+  const int64_t num_dst = a.a_dst.size(0), H = a.x_src.size(1), C = a.x_src.size(2);
   if (num_dst == 0) return {out, lse, alpha};
   const dim3 block = feature_block(H * C);
   const dim3 grid = feature_grid(num_dst, H * C, block);
   auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_forward_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gat_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_forward_cuda_index", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gat_forward_cuda_index", [&] {
       gat_forward_kernel<scalar_t, index_t><<<grid, block, 0, stream>>>(
-          x_src.data_ptr<scalar_t>(), a_src.data_ptr<scalar_t>(), a_dst.data_ptr<scalar_t>(),
-          ptr_or_null<scalar_t>(el), ptr_or_null<bool>(mask), indptr.data_ptr<index_t>(),
-          indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+          a.x_src.data_ptr<scalar_t>(), a.a_src.data_ptr<scalar_t>(), a.a_dst.data_ptr<scalar_t>(),
+          ptr_or_null<scalar_t>(a.edge_logits), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
+          a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
           return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, num_dst, H, C,
           static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -246,69 +240,55 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cuda(
-    const at::Tensor& grad_out_, const c10::optional<at::Tensor>& grad_alpha_, const at::Tensor& out_,
-    const at::Tensor& lse_, const at::Tensor& x_src_, const at::Tensor& a_src_, const at::Tensor& a_dst_,
-    const c10::optional<at::Tensor>& edge_logits_, const at::Tensor& indptr_, const at::Tensor& indices_,
-    const at::Tensor& rev_indptr_, const at::Tensor& rev_edge_, const at::Tensor& rev_dst_,
-    const c10::optional<at::Tensor>& dropout_mask_, double negative_slope, double dropout_scale,
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_alpha, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
+    const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
+    const at::Tensor& rev_indptr, const at::Tensor& rev_edge, const at::Tensor& rev_dst,
+    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale,
     std::array<bool, 4> output_mask) {
-  check_gat_forward_args(x_src_, a_src_, a_dst_, edge_logits_, indptr_, indices_, dropout_mask_,
-                         dropout_scale);
-  check_gat_backward_args(grad_out_, grad_alpha_, out_, lse_, x_src_, a_dst_, indices_, rev_indptr_,
-                          rev_edge_, rev_dst_);
-  const c10::cuda::CUDAGuard guard(x_src_.device());
-  const auto grad_out = grad_out_.contiguous(), out = out_.contiguous(), lse = lse_.contiguous();
-  const auto x_src = x_src_.contiguous(), a_src = a_src_.contiguous(), a_dst = a_dst_.contiguous();
-  const auto indptr = indptr_.contiguous(), indices = indices_.contiguous();
-  const auto rev_indptr = rev_indptr_.contiguous(), rev_edge = rev_edge_.contiguous(),
-             rev_dst = rev_dst_.contiguous();
-  at::Tensor el, mask, ga;
-  if (edge_logits_.has_value()) el = edge_logits_->contiguous();
-  if (dropout_mask_.has_value()) mask = dropout_mask_->contiguous();
-  if (grad_alpha_.has_value()) ga = grad_alpha_->contiguous();
-  const bool want_el = output_mask[3] && el.defined();
-  const bool need_dz = output_mask[1] || output_mask[2] || want_el;
-  const int64_t num_src = x_src.size(0), num_dst = a_dst.size(0), H = x_src.size(1), C = x_src.size(2);
-  const int64_t E = indices.numel();
-  // Skipped gradients come back as distinct empty tensors (outputs must not alias).
-  auto empty = [&] { return x_src.new_empty({0}); };
+  const auto a = prepare_gat_backward(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge_logits, indptr,
+                                      indices, rev_indptr, rev_edge, rev_dst, dropout_mask, dropout_scale,
+                                      output_mask);
+  const auto& f = a.fwd;
+  const c10::cuda::CUDAGuard guard(f.x_src.device());
+  const bool need_dz = a.want_a_src || a.want_a_dst || a.want_edge_logits;
+  const int64_t num_src = f.x_src.size(0), num_dst = f.a_dst.size(0), H = f.x_src.size(1), C = f.x_src.size(2);
+  const int64_t E = f.indices.numel();
   // The kernels write every entry (nodes without edges get zeros), so no zero-fill pass.
-  at::Tensor gx = output_mask[0] ? at::empty_like(x_src) : empty();
-  at::Tensor gas = output_mask[1] ? at::empty_like(a_src) : empty();
-  at::Tensor gad = output_mask[2] ? at::empty_like(a_dst) : empty();
-  at::Tensor gel = want_el ? at::empty({E, H}, x_src.options()) : empty();
+  at::Tensor gx, gas, gad, gel;
+  std::tie(gx, gas, gad, gel) = allocate_gat_gradients(a);
   if (E == 0) {
     for (auto* t : {&gx, &gas, &gad}) t->zero_();
     return {gx, gas, gad, gel};
   }
-  const auto acc_opts = x_src.options().dtype(gat_acc_type(x_src.scalar_type()));
-  at::Tensor dz_ws = output_mask[1] ? at::empty({E, H}, acc_opts) : at::Tensor();
-  at::Tensor w_ws = output_mask[0] ? at::empty({E, H}, acc_opts) : at::Tensor();
+  const auto acc_opts = f.x_src.options().dtype(gat_acc_type(f.x_src.scalar_type()));
+  at::Tensor dz_ws = a.want_a_src ? at::empty({E, H}, acc_opts) : at::Tensor();
+  at::Tensor w_ws = a.want_x ? at::empty({E, H}, acc_opts) : at::Tensor();
   auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x_src.scalar_type(), "gat_backward_cuda", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, f.x_src.scalar_type(), "gat_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    AT_DISPATCH_INDEX_TYPES(indices.scalar_type(), "gat_backward_cuda_index", [&] {
+    AT_DISPATCH_INDEX_TYPES(f.indices.scalar_type(), "gat_backward_cuda_index", [&] {
       const int64_t pairs = num_dst * H;
       const int64_t warps_per_block = kThreads / kWarp;
       const unsigned blocks1 = static_cast<unsigned>(
           std::max<int64_t>(1, std::min<int64_t>((pairs + warps_per_block - 1) / warps_per_block, kMaxBlocks)));
       gat_backward_dst_kernel<scalar_t, index_t><<<blocks1, kThreads, 0, stream>>>(
-          grad_out.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(ga), out.data_ptr<scalar_t>(),
-          lse.data_ptr<acc_t>(), x_src.data_ptr<scalar_t>(), a_src.data_ptr<scalar_t>(),
-          a_dst.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(el), ptr_or_null<bool>(mask),
-          indptr.data_ptr<index_t>(), indices.data_ptr<index_t>(), ptr_or_null<acc_t>(dz_ws),
-          ptr_or_null<acc_t>(w_ws), output_mask[2] ? gad.data_ptr<scalar_t>() : nullptr,
-          want_el ? gel.data_ptr<scalar_t>() : nullptr, num_dst, H, C, need_dz,
+          a.grad_out.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(a.grad_alpha), a.out.data_ptr<scalar_t>(),
+          a.lse.data_ptr<acc_t>(), f.x_src.data_ptr<scalar_t>(), f.a_src.data_ptr<scalar_t>(),
+          f.a_dst.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(f.edge_logits), ptr_or_null<bool>(f.dropout_mask),
+          f.indptr.data_ptr<index_t>(), f.indices.data_ptr<index_t>(), ptr_or_null<acc_t>(dz_ws),
+          ptr_or_null<acc_t>(w_ws), a.want_a_dst ? gad.data_ptr<scalar_t>() : nullptr,
+          a.want_edge_logits ? gel.data_ptr<scalar_t>() : nullptr, num_dst, H, C, need_dz,
           static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (output_mask[0] || output_mask[1]) {
+      if (a.want_x || a.want_a_src) {
         const dim3 block = feature_block(H * C);
         const dim3 grid = feature_grid(num_src, H * C, block);
         gat_backward_src_kernel<scalar_t, index_t><<<grid, block, 0, stream>>>(
-            grad_out.data_ptr<scalar_t>(), ptr_or_null<acc_t>(dz_ws), ptr_or_null<acc_t>(w_ws),
-            rev_indptr.data_ptr<index_t>(), rev_edge.data_ptr<index_t>(), rev_dst.data_ptr<index_t>(),
-            output_mask[0] ? gx.data_ptr<scalar_t>() : nullptr,
-            output_mask[1] ? gas.data_ptr<scalar_t>() : nullptr, num_src, H, C);
+            a.grad_out.data_ptr<scalar_t>(), ptr_or_null<acc_t>(dz_ws), ptr_or_null<acc_t>(w_ws),
+            a.rev_indptr.data_ptr<index_t>(), a.rev_edge.data_ptr<index_t>(), a.rev_dst.data_ptr<index_t>(),
+            a.want_x ? gx.data_ptr<scalar_t>() : nullptr,
+            a.want_a_src ? gas.data_ptr<scalar_t>() : nullptr, num_src, H, C);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });
