@@ -463,8 +463,10 @@ class ContractionPlan:
                 total = part if total is None else total + part
             return total
         if grad:
+            if torch.compiler.is_compiling():
+                return _TraceableContract.apply(self._compiled, table, *eff)
             return ContractFunction.apply(self._compiled, table, *eff)
-        return ops.contract_program(eff, prog, table)
+        return ops.contract_program(eff, list(prog), list(table))
 
     __call__ = contract
 
@@ -579,6 +581,8 @@ def _label_of(plan, m):
 
 
 def _needs_function(eff) -> bool:
+    if torch.compiler.is_compiling():  # dynamo sees through dual tensors; requires_grad is static
+        return torch.is_grad_enabled() and any(t.requires_grad for t in eff)
     if torch.is_grad_enabled() and any(t.requires_grad for t in eff):
         return True
     # Forward AD (dual tensors) and torch.func transforms go through the Function too.
@@ -871,13 +875,16 @@ def _effective(terms, output, sizes, broadcast):
     return labels, ids, eff_inputs, eff_output, pre, id_sizes
 
 
+@torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling
 def _make_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing,
                device, interleaved=False):
     terms, out, sizes, broadcast = _normalize_labels(terms, output, shapes)
     labels, ids, eff_inputs, eff_output, pre, id_sizes = _effective(terms, out, sizes, broadcast)
     itemsize = torch.empty((), dtype=dtype).element_size()
     limit = parse_memory_limit(memory_limit, device if device is not None else device_type)
-    limit_elems = None if limit is None else max(1, limit // itemsize)
+    limit_elems = None if limit is None else limit // itemsize
+    if limit_elems == 0:
+        raise ValueError(f"memory_limit cannot be met: {limit} bytes is less than one {dtype} element")
     forced, min_slices = [], None
     if slicing is not None:
         if isinstance(slicing, dict):
@@ -1035,6 +1042,26 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
 
 
 # ---------------------------------------------------------------------------- autograd
+def _engine_needs(ctx, needs):
+    """needs_input_grad narrowed to the edges this backward will run: with
+    ``torch.autograd.grad(inputs=subset)`` an operand whose branch is not needed costs nothing.
+    (The engine cannot tell this for leaf operands under autograd.grad; those count as needed.)"""
+    needs = list(needs)
+    try:
+        nexts = ctx.next_functions
+    except AttributeError:
+        return needs
+    if len(nexts) != len(needs):
+        return needs
+    for i, (node, _) in enumerate(nexts):
+        if needs[i] and node is not None:
+            try:
+                needs[i] = bool(torch._C._will_engine_execute_node(node))
+            except RuntimeError:
+                pass
+    return needs
+
+
 class ContractFunction(torch.autograd.Function):
     """``ContractFunction.apply(compiled, slice_table, *operands)``: the differentiable core
     of :func:`contract` (operands already checked and preprocessed by the plan).
@@ -1059,7 +1086,7 @@ class ContractFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         operands = ctx.saved_tensors
-        needs = ctx.needs_input_grad[2:]
+        needs = _engine_needs(ctx, ctx.needs_input_grad[2:])
         if not any(needs):
             return (None, None) + (None,) * len(operands)
         compiled = ctx.compiled
@@ -1085,3 +1112,11 @@ class ContractFunction(torch.autograd.Function):
         if total is None:
             return None
         return total
+
+
+class _TraceableContract(torch.autograd.Function):
+    """ContractFunction without the custom jvp, which dynamo cannot trace: what
+    ``torch.compile`` records when an operand requires grad (forward AD is not compiled)."""
+    forward = staticmethod(ContractFunction.forward)
+    setup_context = staticmethod(ContractFunction.setup_context)
+    backward = staticmethod(ContractFunction.backward)
