@@ -456,11 +456,17 @@ class ContractionPlan:
         if progress and self.num_slices > 1:
             from tqdm.auto import tqdm
             ids = self._slice_ids(slices)
+            # one op call per chunk of slices (at most ~100 chunks): a live bar at low overhead
+            step = max(1, -(-len(ids) // 100))
             total = None
-            for s in tqdm(ids, desc="contract", unit="slice"):
-                t = self.slice_indices(s)
-                part = ContractFunction.apply(self._compiled, t, *eff) if grad else ops.contract_program(eff, prog, t)
-                total = part if total is None else total + part
+            with tqdm(total=len(ids), desc="contract", unit="slice") as bar:
+                for c in range(0, len(ids), step):
+                    chunk = ids[c:c + step]
+                    t = tuple(i for s in chunk for i in self.slice_indices(s))
+                    part = ContractFunction.apply(self._compiled, t, *eff) if grad else \
+                        ops.contract_program(eff, list(prog), list(t))
+                    total = part if total is None else total + part
+                    bar.update(len(chunk))
             return total
         if grad:
             if torch.compiler.is_compiling():
