@@ -172,12 +172,17 @@ struct Saved {
 };
 
 // Runs one slice. With `saved` non-null also keeps what the backward needs for the slots in
-// `needs` (one slice's intermediates at most) and the pre-sum shapes of SUM instructions.
+// `needs` (one slice's intermediates at most) and the pre-sum shapes of SUM instructions, and
+// skips the last GEMM (the backward needs its inputs, not its result). `cache` (per
+// instruction; may be null) holds step results of an earlier forward: such steps reuse them
+// instead of multiplying. `keep` (may be null) collects every step result except the last.
 at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* idx,
                      std::vector<at::Tensor>& slots, std::vector<Saved>* saved,
-                     const std::vector<char>* needs, std::vector<std::vector<int64_t>>* sum_shapes) {
+                     const std::vector<char>* needs, std::vector<std::vector<int64_t>>* sum_shapes,
+                     const std::vector<at::Tensor>* cache = nullptr, std::vector<at::Tensor>* keep = nullptr) {
   slots.assign(P.n_slots, at::Tensor());
   for (int64_t i = 0; i < P.n_operands; ++i) slots[i] = operands[i];
+  const int64_t final_slot = P.instrs.back().slot;
   for (size_t t = 0; t < P.instrs.size(); ++t) {
     const Instr& in = P.instrs[t];
     switch (in.op) {
@@ -189,20 +194,30 @@ at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* i
         slots[in.slot] = slots[in.slot].sum(in.dims);
         break;
       case kContract: {
+        const bool last = in.c == final_slot;
+        const bool want_a = saved && (*needs)[in.b], want_b = saved && (*needs)[in.a];
+        const bool cached = cache && (*cache)[t].defined();
         at::Tensor pa = slots[in.a].permute(in.perm_a), pb = slots[in.b].permute(in.perm_b);
-        at::Tensor a3 = pa.reshape({in.bt, in.m, in.kk}), b3 = pb.reshape({in.bt, in.kk, in.n});
-        slots[in.c] = matmul3(a3, b3).view(in.shape_c);
+        at::Tensor a3, b3;
+        if (want_a || !(cached || (saved && last))) a3 = pa.reshape({in.bt, in.m, in.kk});
+        if (want_b || !(cached || (saved && last))) b3 = pb.reshape({in.bt, in.kk, in.n});
+        if (cached)
+          slots[in.c] = (*cache)[t];
+        else if (!(saved && last))
+          slots[in.c] = matmul3(a3, b3).view(in.shape_c);
+        if (keep && !last) (*keep).push_back(slots[in.c]);
         if (saved) {
           Saved& s = (*saved)[t];
           // dA needs B and dB needs A; keep only what an operand that needs a gradient uses.
-          if ((*needs)[in.a]) { s.b3 = b3; s.shape_a = pa.sizes().vec(); }
-          if ((*needs)[in.b]) { s.a3 = a3; s.shape_b = pb.sizes().vec(); }
+          if (want_b) { s.b3 = b3; s.shape_a = pa.sizes().vec(); }
+          if (want_a) { s.a3 = a3; s.shape_b = pb.sizes().vec(); }
         }
         slots[in.a] = at::Tensor();  // release: memory stays one slice's live intermediates
         slots[in.b] = at::Tensor();
         break;
       }
       case kFinal:
+        if (saved) return at::Tensor();
         return slots[in.slot].permute(in.perm);
     }
   }
@@ -223,6 +238,14 @@ bool aliases_operand(const at::Tensor& t, at::TensorList operands) {
 
 }  // namespace
 
+at::Tensor finish_single(at::Tensor r, at::TensorList operands) {
+  // A fresh, contiguous, conj-resolved result: the fake kernel promises exactly that and a
+  // custom op must not return a view of its input (e.g. a single operand "ij->ji").
+  if (r.is_conj()) r = r.resolve_conj();
+  if (!r.is_contiguous() || aliases_operand(r, operands)) r = r.clone(at::MemoryFormat::Contiguous);
+  return r;
+}
+
 // Sum over the slice-table rows of the program's result, shape out_shape, dtype of the operands.
 at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at::IntArrayRef slice_table) {
   check_operands(operands);
@@ -232,12 +255,7 @@ at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at
   std::vector<at::Tensor> slots;
   if (rows == 1 && fin.blocks.empty()) {
     const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
-    at::Tensor r = run_slice(P, operands, idx, slots, nullptr, nullptr, nullptr);
-    // A fresh, contiguous, conj-resolved result: the fake kernel promises exactly that and a
-    // custom op must not return a view of its input (e.g. a single operand "ij->ji").
-    if (r.is_conj()) r = r.resolve_conj();
-    if (!r.is_contiguous() || aliases_operand(r, operands)) r = r.clone(at::MemoryFormat::Contiguous);
-    return r;
+    return finish_single(run_slice(P, operands, idx, slots, nullptr, nullptr, nullptr), operands);
   }
   at::Tensor out = at::zeros(P.out_shape, operands[0].options());
   for (int64_t row = 0; row < rows; ++row) {
@@ -248,12 +266,31 @@ at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at
   return out;
 }
 
+// One slice (slice_table has one row, or none for an unsliced program), also returning the
+// step results that contract_program_backward can reuse instead of recomputing (every CONTRACT
+// result except the last, in program order): the forward cache of a single slice.
+std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::TensorList operands,
+                                                                        at::IntArrayRef program,
+                                                                        at::IntArrayRef slice_table) {
+  check_operands(operands);
+  const Program P = decode(program, static_cast<int64_t>(operands.size()));
+  TORCH_CHECK(num_rows(P, slice_table) == 1, "contract_program_cached: runs exactly one slice");
+  const Instr& fin = P.instrs.back();
+  const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
+  std::vector<at::Tensor> slots, keep;
+  at::Tensor r = run_slice(P, operands, idx, slots, nullptr, nullptr, nullptr, nullptr, &keep);
+  if (fin.blocks.empty()) return {finish_single(r, operands), keep};
+  at::Tensor out = at::zeros(P.out_shape, operands[0].options());
+  block_of(out, fin, idx).add_(r);
+  return {out, keep};
+}
+
 // Gradients of sum_rows(program(operands)) under grad_out, for the operands flagged in
 // needs_grad (the others come back as empty tensors, at no cost). Complex follows PyTorch's
 // convention (grad_A = grad_C @ B^H, as torch.matmul's backward).
 std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::IntArrayRef program,
                                                   at::IntArrayRef slice_table, const at::Tensor& grad_out,
-                                                  at::IntArrayRef needs_grad) {
+                                                  at::IntArrayRef needs_grad, at::TensorList cached) {
   check_operands(operands);
   const Program P = decode(program, static_cast<int64_t>(operands.size()));
   const int64_t rows = num_rows(P, slice_table);
@@ -282,10 +319,25 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
   std::vector<Saved> saved(P.instrs.size());
   std::vector<std::vector<int64_t>> sum_shapes(P.instrs.size());
   const std::vector<int64_t> fin_inv = inverse(fin.perm);
+  // The forward's cache (contract_program_cached) of a single slice, by instruction index.
+  std::vector<at::Tensor> cache;
+  if (!cached.empty()) {
+    TORCH_CHECK(rows == 1, "contract_program_backward: cached step results need a single slice");
+    cache.resize(P.instrs.size());
+    size_t j = 0;
+    for (size_t t = 0; t < P.instrs.size(); ++t) {
+      const Instr& in = P.instrs[t];
+      if (in.op != kContract || in.c == fin.slot) continue;
+      TORCH_CHECK(j < cached.size(), "contract_program_backward: too few cached step results");
+      check_shape(cached[j], in.shape_c, "cached step result");
+      cache[t] = cached[j++];
+    }
+    TORCH_CHECK(j == cached.size(), "contract_program_backward: too many cached step results");
+  }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* idx = P.n_sliced ? slice_table.data() + row * P.n_sliced : nullptr;
     std::fill(saved.begin(), saved.end(), Saved{});
-    run_slice(P, operands, idx, slots, &saved, &needs, &sum_shapes);
+    run_slice(P, operands, idx, slots, &saved, &needs, &sum_shapes, cache.empty() ? nullptr : &cache);
     slots.assign(P.n_slots, at::Tensor());
     std::fill(g.begin(), g.end(), at::Tensor());
     g[fin.slot] = block_of(g_out, fin, idx).permute(fin_inv);
@@ -328,14 +380,19 @@ TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
   // slice_table and returns the sum of the rows' results (shape from the program's header).
   m.def("contract_program(Tensor[] operands, int[] program, int[] slice_table) -> Tensor");
   // Gradients of contract_program's result under grad_out, for operands with needs_grad != 0
-  // (the others come back as empty tensors). Recomputes one slice at a time.
+  // (the others come back as empty tensors). Recomputes one slice at a time, or reuses
+  // `cached` (from contract_program_cached; empty list: recompute).
   m.def(
       "contract_program_backward(Tensor[] operands, int[] program, int[] slice_table, Tensor grad_out, "
-      "int[] needs_grad) -> Tensor[]");
+      "int[] needs_grad, Tensor[] cached) -> Tensor[]");
+  // One slice, plus every step result but the last (the cache that contract_program_backward
+  // can take instead of recomputing them).
+  m.def("contract_program_cached(Tensor[] operands, int[] program, int[] slice_table) -> (Tensor, Tensor[])");
 }
 
 // ATen ops only, so one implementation serves every backend; autograd is ContractFunction's.
 TORCH_LIBRARY_IMPL(torch_gradops, CompositeExplicitAutograd, m) {
   m.impl("contract_program", &torch_gradops::contract_program);
   m.impl("contract_program_backward", &torch_gradops::contract_program_backward);
+  m.impl("contract_program_cached", &torch_gradops::contract_program_cached);
 }

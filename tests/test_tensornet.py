@@ -373,13 +373,19 @@ def test_forward_ad(dtype):
                                     check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False)
 
 
-def test_retain_graph_and_second_backward():
+@pytest.mark.parametrize("slicing", [None, ["j"]])
+def test_retain_graph_and_second_backward(slicing):
+    # unsliced: the first backward uses the forward's cached step results, the second recomputes
     gen = torch.Generator().manual_seed(13)
     a, b = _rand((3, 4), gen=gen, requires_grad=True), _rand((4, 5), gen=gen, requires_grad=True)
-    out = tn.contract("ij,jk->ik", a, b, slicing=["j"]).sum()
-    g1 = torch.autograd.grad(out, a, retain_graph=True)[0]
-    g2 = torch.autograd.grad(out, a)[0]
-    _close(g1, g2)
+    c = _rand((5, 2), gen=gen, requires_grad=True)
+    out = tn.contract("ij,jk,kl->il", a, b, c, slicing=slicing).sum()
+    g1 = torch.autograd.grad(out, [a, b, c], retain_graph=True)
+    g2 = torch.autograd.grad(out, [a, b, c])
+    ref = torch.autograd.grad((a @ b @ c).sum(), [a, b, c])
+    for x, y, z in zip(g1, g2, ref):
+        _close(x, z)
+        _close(y, z)
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         torch.autograd.grad(out, a)
 
@@ -390,7 +396,7 @@ def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
     b = _rand((4, 5), gen=gen, requires_grad=True)
     c = _rand((5, 2), gen=gen)  # does not require grad
     d = _rand((7,), gen=gen, requires_grad=True)  # not part of the output
-    calls = []
+    calls, cached_lens = [], []
     real = tn.ops
 
     class Spy:
@@ -398,7 +404,9 @@ def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
             op = getattr(real, name)
 
             def wrapped(*args):
-                calls.append((name, args[-1] if name == "contract_program_backward" else None))
+                calls.append((name, args[4] if name == "contract_program_backward" else None))
+                if name == "contract_program_backward":
+                    cached_lens.append(len(args[5]))
                 return op(*args)
             return wrapped
 
@@ -415,6 +423,8 @@ def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
     gb, = torch.autograd.grad(out.sum(), [b])
     _close(gb, torch.autograd.grad((a.detach() @ b @ c).sum(), b)[0])
     assert [n for name, n in calls if name == "contract_program_backward"][0][2] == 0  # c: no work
+    # unsliced: the forward kept its step result (ab or bc) and the backward reused it
+    assert "contract_program_cached" in [name for name, _ in calls] and cached_lens[-1] == 1
 
 
 def test_plan_gradients_low_level():
@@ -663,7 +673,13 @@ def test_opcheck():
         prog, table = list(p._compiled.program), list(p._table(None))
         torch.library.opcheck(torch.ops.torch_gradops.contract_program.default, ([a, b, c], prog, table))
         torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
-                              ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 0, 1]))
+                              ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 0, 1], []))
+        if p.num_slices == 1:
+            out, cache = torch.ops.torch_gradops.contract_program_cached(
+                [a, b, c], prog, [] if slicing is None else table[:2])
+            torch.library.opcheck(torch.ops.torch_gradops.contract_program_cached.default, ([a, b, c], prog, table))
+            torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
+                                  ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 1, 1], cache))
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import threading
 from collections import OrderedDict
 from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
 
@@ -48,8 +49,41 @@ def _contract_program_fake(operands, program, slice_table):
     return operands[0].new_empty(_program_out_shape(program))
 
 
+def _cached_shapes(program):
+    """Shapes of the step results contract_program_cached returns: every CONTRACT's result
+    except the one that FINAL reads."""
+    program = [int(x) for x in program]
+    i = 4 + program[3]
+    n_instr = program[i]
+    i += 1
+    shapes, final = [], None
+    for _ in range(n_instr):
+        op = program[i]
+        if op == _SELECT:
+            i += 4
+        elif op == _SUM:
+            i += 3 + program[i + 2]
+        elif op == _CONTRACT:
+            c = program[i + 3]
+            ra = program[i + 4]
+            rb = program[i + 5 + ra]
+            rc = program[i + 10 + ra + rb]
+            shapes.append((c, program[i + 11 + ra + rb:i + 11 + ra + rb + rc]))
+            i += 11 + ra + rb + rc
+        else:
+            final = program[i + 1]
+            break
+    return [shape for c, shape in shapes if c != final]
+
+
+@torch.library.register_fake("torch_gradops::contract_program_cached")
+def _contract_program_cached_fake(operands, program, slice_table):
+    out = operands[0].new_empty(_program_out_shape(program))
+    return out, [operands[0].new_empty(s) for s in _cached_shapes(program)]
+
+
 @torch.library.register_fake("torch_gradops::contract_program_backward")
-def _contract_program_backward_fake(operands, program, slice_table, grad_out, needs_grad):
+def _contract_program_backward_fake(operands, program, slice_table, grad_out, needs_grad, cached):
     return [torch.empty_like(op, memory_format=torch.contiguous_format) if n else op.new_empty((0,))
             for op, n in zip(operands, needs_grad)]
 
@@ -308,12 +342,15 @@ def _freeze(x):
 
 
 class _Compiled:
-    """What the autograd Function needs: the program (a tuple of ints) and the plan."""
-    __slots__ = ("program", "plan")
+    """What the autograd Function needs: the program (a tuple of ints), the plan, and whether
+    the forward keeps its step results for the backward (single-slice plans only, so the
+    memory bound of sliced plans holds)."""
+    __slots__ = ("program", "plan", "cache")
 
-    def __init__(self, program, plan):
+    def __init__(self, program, plan, cache=False):
         self.program = program
         self.plan = plan
+        self.cache = cache
 
 
 class ContractionPlan:
@@ -357,6 +394,7 @@ class ContractionPlan:
         self.output_shape = tuple(sized[m] for m in eff_output)
         program, steps = _compile(eff_inputs, eff_output, sized, self.path, self._sliced)
         self._compiled = _Compiled(tuple(program), self)
+        self._compiled_cached = _Compiled(self._compiled.program, self, cache=True)
         itemsize = torch.empty((), dtype=dtype).element_size()
         cplx = dtype.is_complex
         per_slice = sum(s[0] for s in steps)
@@ -471,7 +509,10 @@ class ContractionPlan:
         if grad:
             if torch.compiler.is_compiling():
                 return _TraceableContract.apply(self._compiled, table, *eff)
-            return ContractFunction.apply(self._compiled, table, *eff)
+            # unsliced and gradients wanted: keep the step results for the backward
+            # (a sliced plan recomputes per slice instead: that is its memory bound)
+            cache = self.num_slices == 1 and torch.is_grad_enabled() and any(t.requires_grad for t in eff)
+            return ContractFunction.apply(self._compiled_cached if cache else self._compiled, table, *eff)
         return ops.contract_program(eff, list(prog), list(table))
 
     __call__ = contract
@@ -500,7 +541,7 @@ class ContractionPlan:
                 geff = [torch.zeros_like(e) if w else None for e, w in zip(eff, want)]
             else:
                 raw = ops.contract_program_backward(eff, self._compiled.program, table,
-                                                    output_grad.to(eff[0].dtype), [int(w) for w in want])
+                                                    output_grad.to(eff[0].dtype), [int(w) for w in want], [])
                 geff = [g if w else None for g, w in zip(raw, want)]
         result = []
         for i, g in enumerate(geff):
@@ -1048,6 +1089,9 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
 
 
 # ---------------------------------------------------------------------------- autograd
+_STASH = threading.local()
+
+
 def _engine_needs(ctx, needs):
     """needs_input_grad narrowed to the edges this backward will run: with
     ``torch.autograd.grad(inputs=subset)`` an operand whose branch is not needed costs nothing.
@@ -1079,6 +1123,10 @@ class ContractFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(compiled, table, *operands):
+        if compiled.cache:
+            out, cache = ops.contract_program_cached(list(operands), list(compiled.program), list(table))
+            _STASH.cache = cache  # picked up by setup_context, which runs right after
+            return out
         return ops.contract_program(list(operands), list(compiled.program), list(table))
 
     @staticmethod
@@ -1086,6 +1134,7 @@ class ContractFunction(torch.autograd.Function):
         compiled, table, *operands = inputs
         ctx.compiled = compiled
         ctx.table = table
+        ctx.cache = _STASH.__dict__.pop("cache", None) if compiled.cache else None
         ctx.save_for_backward(*operands)
         ctx.save_for_forward(*operands)
 
@@ -1099,8 +1148,11 @@ class ContractFunction(torch.autograd.Function):
         if torch.is_grad_enabled():
             grads = compiled.plan._differentiable_grads(list(operands), grad_out, ctx.table, needs)
         else:
+            # the forward's step results serve one backward; a retained graph recomputes
+            cache, ctx.cache = ctx.cache, None
             raw = ops.contract_program_backward(list(operands), list(compiled.program), list(ctx.table),
-                                                grad_out.to(operands[0].dtype), [int(n) for n in needs])
+                                                grad_out.to(operands[0].dtype), [int(n) for n in needs],
+                                                list(cache) if cache is not None else [])
             grads = [g if n else None for g, n in zip(raw, needs)]
         return (None, None) + tuple(grads)
 
