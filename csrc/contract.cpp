@@ -171,54 +171,80 @@ struct Saved {
   std::vector<int64_t> shape_a, shape_b;  // after permute, before reshape
 };
 
-// Runs one slice. With `saved` non-null also keeps what the backward needs for the slots in
-// `needs` (one slice's intermediates at most) and the pre-sum shapes of SUM instructions, and
-// skips the last GEMM (the backward needs its inputs, not its result). `cache` (per
-// instruction; may be null) holds step results of an earlier forward: such steps reuse them
-// instead of multiplying. `keep` (may be null) collects every step result except the last.
-at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* idx,
-                     std::vector<at::Tensor>& slots, std::vector<Saved>* saved,
-                     const std::vector<char>* needs, std::vector<std::vector<int64_t>>* sum_shapes,
-                     const std::vector<at::Tensor>* cache = nullptr, std::vector<at::Tensor>* keep = nullptr) {
-  slots.assign(P.n_slots, at::Tensor());
-  for (int64_t i = 0; i < P.n_operands; ++i) slots[i] = operands[i];
+// kRun: the forward. kRecord: the forward, also keeping in `saved` the GEMM operands that the
+// gradients of the slots in `needs` use. kBackward: as kRecord but without the last GEMM (the
+// backward needs its inputs, not its result). kReplay: no GEMM at all; the GEMM operands come
+// from `replay` (what a kRecord forward returned: two per CONTRACT, empty where not kept).
+// Except in kRun, shapes are tracked so that `sum_shapes` gets the pre-sum shape of each SUM.
+enum class Mode { kRun, kRecord, kBackward, kReplay };
+
+at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* idx, Mode mode,
+                     std::vector<Saved>* saved = nullptr, const std::vector<char>* needs = nullptr,
+                     std::vector<std::vector<int64_t>>* sum_shapes = nullptr, at::TensorList replay = {}) {
+  std::vector<at::Tensor> slots(P.n_slots);
+  const bool track = mode != Mode::kRun;
+  std::vector<std::vector<int64_t>> shp(track ? P.n_slots : 0);
+  for (int64_t i = 0; i < P.n_operands; ++i) {
+    slots[i] = operands[i];
+    if (track) shp[i] = operands[i].sizes().vec();
+  }
   const int64_t final_slot = P.instrs.back().slot;
+  size_t r = 0;
   for (size_t t = 0; t < P.instrs.size(); ++t) {
     const Instr& in = P.instrs[t];
     switch (in.op) {
       case kSelect:
         slots[in.slot] = slots[in.slot].select(in.dim, idx[in.k]);
+        if (track) shp[in.slot].erase(shp[in.slot].begin() + in.dim);
         break;
       case kSum:
-        if (sum_shapes) (*sum_shapes)[t] = slots[in.slot].sizes().vec();
-        slots[in.slot] = slots[in.slot].sum(in.dims);
+        if (track) {
+          (*sum_shapes)[t] = shp[in.slot];
+          std::vector<int64_t> dims = in.dims;
+          std::sort(dims.rbegin(), dims.rend());
+          for (int64_t d : dims) shp[in.slot].erase(shp[in.slot].begin() + d);
+        }
+        if (slots[in.slot].defined()) slots[in.slot] = slots[in.slot].sum(in.dims);
         break;
       case kContract: {
-        const bool last = in.c == final_slot;
-        const bool want_a = saved && (*needs)[in.b], want_b = saved && (*needs)[in.a];
-        const bool cached = cache && (*cache)[t].defined();
-        at::Tensor pa = slots[in.a].permute(in.perm_a), pb = slots[in.b].permute(in.perm_b);
-        at::Tensor a3, b3;
-        if (want_a || !(cached || (saved && last))) a3 = pa.reshape({in.bt, in.m, in.kk});
-        if (want_b || !(cached || (saved && last))) b3 = pb.reshape({in.bt, in.kk, in.n});
-        if (cached)
-          slots[in.c] = (*cache)[t];
-        else if (!(saved && last))
+        if (mode == Mode::kRun) {
+          at::Tensor a3 = slots[in.a].permute(in.perm_a).reshape({in.bt, in.m, in.kk});
+          at::Tensor b3 = slots[in.b].permute(in.perm_b).reshape({in.bt, in.kk, in.n});
           slots[in.c] = matmul3(a3, b3).view(in.shape_c);
-        if (keep && !last) (*keep).push_back(slots[in.c]);
-        if (saved) {
+        } else {
+          at::Tensor a3, b3;
+          if (mode == Mode::kReplay) {
+            TORCH_CHECK(r + 2 <= replay.size(), "contract_program_backward: too few cached tensors");
+            a3 = replay[r];
+            b3 = replay[r + 1];
+            r += 2;
+          } else {
+            a3 = slots[in.a].permute(in.perm_a).reshape({in.bt, in.m, in.kk});
+            b3 = slots[in.b].permute(in.perm_b).reshape({in.bt, in.kk, in.n});
+            if (mode == Mode::kRecord || in.c != final_slot)
+              slots[in.c] = matmul3(a3, b3).view(in.shape_c);
+          }
           Saved& s = (*saved)[t];
           // dA needs B and dB needs A; keep only what an operand that needs a gradient uses.
-          if (want_b) { s.b3 = b3; s.shape_a = pa.sizes().vec(); }
-          if (want_a) { s.a3 = a3; s.shape_b = pb.sizes().vec(); }
+          if ((*needs)[in.a]) {
+            s.b3 = b3;
+            for (int64_t d : in.perm_a) s.shape_a.push_back(shp[in.a][d]);
+          }
+          if ((*needs)[in.b]) {
+            s.a3 = a3;
+            for (int64_t d : in.perm_b) s.shape_b.push_back(shp[in.b][d]);
+          }
+          shp[in.c] = in.shape_c;
         }
         slots[in.a] = at::Tensor();  // release: memory stays one slice's live intermediates
         slots[in.b] = at::Tensor();
         break;
       }
       case kFinal:
-        if (saved) return at::Tensor();
-        return slots[in.slot].permute(in.perm);
+        if (mode == Mode::kRun || mode == Mode::kRecord) return slots[in.slot].permute(in.perm);
+        TORCH_CHECK(mode != Mode::kReplay || r == replay.size(),
+                    "contract_program_backward: too many cached tensors");
+        return at::Tensor();
     }
   }
   TORCH_CHECK(false, "contract_program: unreachable");
@@ -252,33 +278,56 @@ at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at
   const Program P = decode(program, static_cast<int64_t>(operands.size()));
   const int64_t rows = num_rows(P, slice_table);
   const Instr& fin = P.instrs.back();
-  std::vector<at::Tensor> slots;
   if (rows == 1 && fin.blocks.empty()) {
     const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
-    return finish_single(run_slice(P, operands, idx, slots, nullptr, nullptr, nullptr), operands);
+    return finish_single(run_slice(P, operands, idx, Mode::kRun), operands);
   }
   at::Tensor out = at::zeros(P.out_shape, operands[0].options());
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* idx = slice_table.data() + row * P.n_sliced;
-    at::Tensor r = run_slice(P, operands, idx, slots, nullptr, nullptr, nullptr);
-    block_of(out, fin, idx).add_(r);
+    block_of(out, fin, idx).add_(run_slice(P, operands, idx, Mode::kRun));
   }
   return out;
 }
 
+std::vector<char> slot_needs(const Program& P, at::IntArrayRef needs_grad) {
+  TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
+              "contract_program: needs_grad must have one entry per operand");
+  std::vector<char> needs(P.n_slots, 0);
+  for (int64_t i = 0; i < P.n_operands; ++i) needs[i] = needs_grad[i] != 0;
+  for (const auto& in : P.instrs)
+    if (in.op == kContract) needs[in.c] = needs[in.a] || needs[in.b];
+  return needs;
+}
+
 // One slice (slice_table has one row, or none for an unsliced program), also returning the
-// step results that contract_program_backward can reuse instead of recomputing (every CONTRACT
-// result except the last, in program order): the forward cache of a single slice.
+// GEMM operands that contract_program_backward can reuse instead of recomputing the slice: per
+// CONTRACT (program order) the [Bt,M,K] and [Bt,K,N] matrices, each an empty tensor where no
+// gradient in needs_grad uses it. The forward cache of a single slice.
 std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::TensorList operands,
                                                                         at::IntArrayRef program,
-                                                                        at::IntArrayRef slice_table) {
+                                                                        at::IntArrayRef slice_table,
+                                                                        at::IntArrayRef needs_grad) {
   check_operands(operands);
   const Program P = decode(program, static_cast<int64_t>(operands.size()));
   TORCH_CHECK(num_rows(P, slice_table) == 1, "contract_program_cached: runs exactly one slice");
+  const std::vector<char> needs = slot_needs(P, needs_grad);
   const Instr& fin = P.instrs.back();
   const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
-  std::vector<at::Tensor> slots, keep;
-  at::Tensor r = run_slice(P, operands, idx, slots, nullptr, nullptr, nullptr, nullptr, &keep);
+  std::vector<Saved> saved(P.instrs.size());
+  std::vector<std::vector<int64_t>> sum_shapes(P.instrs.size());
+  at::Tensor r = run_slice(P, operands, idx, Mode::kRecord, &saved, &needs, &sum_shapes);
+  std::vector<at::Tensor> keep;
+  auto own = [&](const at::Tensor& t) {
+    // outputs of a custom op may not alias its inputs: copy the (operand-sized) views
+    if (!t.defined()) return at::empty({0}, operands[0].options());
+    return aliases_operand(t, operands) || t.is_conj() ? t.resolve_conj().clone() : t;
+  };
+  for (size_t t = 0; t < P.instrs.size(); ++t) {
+    if (P.instrs[t].op != kContract) continue;
+    keep.push_back(own(saved[t].a3));
+    keep.push_back(own(saved[t].b3));
+  }
   if (fin.blocks.empty()) return {finish_single(r, operands), keep};
   at::Tensor out = at::zeros(P.out_shape, operands[0].options());
   block_of(out, fin, idx).add_(r);
@@ -300,11 +349,7 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
   check_same_device(operands[0], "operand 0", grad_out, "grad_out");
   const Instr& fin = P.instrs.back();
 
-  // Which slots need a gradient: an operand flagged by the caller, or a step fed by one.
-  std::vector<char> needs(P.n_slots, 0);
-  for (int64_t i = 0; i < P.n_operands; ++i) needs[i] = needs_grad[i] != 0;
-  for (const auto& in : P.instrs)
-    if (in.op == kContract) needs[in.c] = needs[in.a] || needs[in.b];
+  const std::vector<char> needs = slot_needs(P, needs_grad);
 
   std::vector<at::Tensor> grads(P.n_operands);
   for (int64_t i = 0; i < P.n_operands; ++i)
@@ -315,30 +360,16 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
   const at::Tensor g_out = grad_out.scalar_type() == operands[0].scalar_type()
                                ? grad_out
                                : grad_out.to(operands[0].scalar_type());
-  std::vector<at::Tensor> slots, g(P.n_slots);
+  std::vector<at::Tensor> g(P.n_slots);
   std::vector<Saved> saved(P.instrs.size());
   std::vector<std::vector<int64_t>> sum_shapes(P.instrs.size());
   const std::vector<int64_t> fin_inv = inverse(fin.perm);
-  // The forward's cache (contract_program_cached) of a single slice, by instruction index.
-  std::vector<at::Tensor> cache;
-  if (!cached.empty()) {
-    TORCH_CHECK(rows == 1, "contract_program_backward: cached step results need a single slice");
-    cache.resize(P.instrs.size());
-    size_t j = 0;
-    for (size_t t = 0; t < P.instrs.size(); ++t) {
-      const Instr& in = P.instrs[t];
-      if (in.op != kContract || in.c == fin.slot) continue;
-      TORCH_CHECK(j < cached.size(), "contract_program_backward: too few cached step results");
-      check_shape(cached[j], in.shape_c, "cached step result");
-      cache[t] = cached[j++];
-    }
-    TORCH_CHECK(j == cached.size(), "contract_program_backward: too many cached step results");
-  }
+  TORCH_CHECK(cached.empty() || rows == 1, "contract_program_backward: cached GEMM operands need a single slice");
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* idx = P.n_sliced ? slice_table.data() + row * P.n_sliced : nullptr;
     std::fill(saved.begin(), saved.end(), Saved{});
-    run_slice(P, operands, idx, slots, &saved, &needs, &sum_shapes, cache.empty() ? nullptr : &cache);
-    slots.assign(P.n_slots, at::Tensor());
+    run_slice(P, operands, idx, cached.empty() ? Mode::kBackward : Mode::kReplay, &saved, &needs, &sum_shapes,
+              cached);
     std::fill(g.begin(), g.end(), at::Tensor());
     g[fin.slot] = block_of(g_out, fin, idx).permute(fin_inv);
     for (int64_t t = static_cast<int64_t>(P.instrs.size()) - 1; t >= 0; --t) {
@@ -385,9 +416,11 @@ TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
   m.def(
       "contract_program_backward(Tensor[] operands, int[] program, int[] slice_table, Tensor grad_out, "
       "int[] needs_grad, Tensor[] cached) -> Tensor[]");
-  // One slice, plus every step result but the last (the cache that contract_program_backward
-  // can take instead of recomputing them).
-  m.def("contract_program_cached(Tensor[] operands, int[] program, int[] slice_table) -> (Tensor, Tensor[])");
+  // One slice, plus the GEMM operands that contract_program_backward can take (as `cached`)
+  // instead of recomputing the slice.
+  m.def(
+      "contract_program_cached(Tensor[] operands, int[] program, int[] slice_table, int[] needs_grad) "
+      "-> (Tensor, Tensor[])");
 }
 
 // ATen ops only, so one implementation serves every backend; autograd is ContractFunction's.

@@ -424,7 +424,7 @@ def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
     _close(gb, torch.autograd.grad((a.detach() @ b @ c).sum(), b)[0])
     assert [n for name, n in calls if name == "contract_program_backward"][0][2] == 0  # c: no work
     # unsliced: the forward kept its step result (ab or bc) and the backward reused it
-    assert "contract_program_cached" in [name for name, _ in calls] and cached_lens[-1] == 1
+    assert "contract_program_cached" in [name for name, _ in calls] and cached_lens[-1] == 4
 
 
 def test_plan_gradients_low_level():
@@ -675,9 +675,9 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
                               ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 0, 1], []))
         if p.num_slices == 1:
-            out, cache = torch.ops.torch_gradops.contract_program_cached(
-                [a, b, c], prog, [] if slicing is None else table[:2])
-            torch.library.opcheck(torch.ops.torch_gradops.contract_program_cached.default, ([a, b, c], prog, table))
+            out, cache = torch.ops.torch_gradops.contract_program_cached([a, b, c], prog, table, [1, 1, 1])
+            torch.library.opcheck(torch.ops.torch_gradops.contract_program_cached.default,
+                                  ([a, b, c], prog, table, [1, 0, 1]))
             torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
                                   ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 1, 1], cache))
 

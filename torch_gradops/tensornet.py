@@ -49,14 +49,16 @@ def _contract_program_fake(operands, program, slice_table):
     return operands[0].new_empty(_program_out_shape(program))
 
 
-def _cached_shapes(program):
-    """Shapes of the step results contract_program_cached returns: every CONTRACT's result
-    except the one that FINAL reads."""
+def _cached_shapes(program, needs_grad):
+    """Shapes of what contract_program_cached returns: per CONTRACT its [Bt,M,K] and [Bt,K,N]
+    GEMM operands, or [0] where no gradient in needs_grad uses it."""
     program = [int(x) for x in program]
+    n_ops = program[1]
+    needs = {i: bool(needs_grad[i]) for i in range(n_ops)}
     i = 4 + program[3]
     n_instr = program[i]
     i += 1
-    shapes, final = [], None
+    shapes = []
     for _ in range(n_instr):
         op = program[i]
         if op == _SELECT:
@@ -64,22 +66,24 @@ def _cached_shapes(program):
         elif op == _SUM:
             i += 3 + program[i + 2]
         elif op == _CONTRACT:
-            c = program[i + 3]
+            a, b, c = program[i + 1:i + 4]
             ra = program[i + 4]
             rb = program[i + 5 + ra]
+            bt, m, k, n = program[i + 6 + ra + rb:i + 10 + ra + rb]
             rc = program[i + 10 + ra + rb]
-            shapes.append((c, program[i + 11 + ra + rb:i + 11 + ra + rb + rc]))
+            shapes.append((bt, m, k) if needs[b] else (0,))
+            shapes.append((bt, k, n) if needs[a] else (0,))
+            needs[c] = needs[a] or needs[b]
             i += 11 + ra + rb + rc
         else:
-            final = program[i + 1]
             break
-    return [shape for c, shape in shapes if c != final]
+    return shapes
 
 
 @torch.library.register_fake("torch_gradops::contract_program_cached")
-def _contract_program_cached_fake(operands, program, slice_table):
+def _contract_program_cached_fake(operands, program, slice_table, needs_grad):
     out = operands[0].new_empty(_program_out_shape(program))
-    return out, [operands[0].new_empty(s) for s in _cached_shapes(program)]
+    return out, [operands[0].new_empty(s) for s in _cached_shapes(program, needs_grad)]
 
 
 @torch.library.register_fake("torch_gradops::contract_program_backward")
@@ -1124,7 +1128,8 @@ class ContractFunction(torch.autograd.Function):
     @staticmethod
     def forward(compiled, table, *operands):
         if compiled.cache:
-            out, cache = ops.contract_program_cached(list(operands), list(compiled.program), list(table))
+            out, cache = ops.contract_program_cached(list(operands), list(compiled.program), list(table),
+                                                     [int(t.requires_grad) for t in operands])
             _STASH.cache = cache  # picked up by setup_context, which runs right after
             return out
         return ops.contract_program(list(operands), list(compiled.program), list(table))
