@@ -211,7 +211,10 @@ def matmul_worker():
 # ---------------------------------------------------------------------------- driver
 def _run_sub(args, timeout=600):
     cmd = [sys.executable, os.path.abspath(__file__)] + args
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    # Shared 2-core machine: spin-waiting OpenMP workers made timings swing 10x between runs
+    # (for every implementation); passive waiting keeps them comparable.
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
     if res.returncode != 0 or not lines:
         return {"error": (res.stderr or res.stdout)[-2000:]}
@@ -230,6 +233,8 @@ def machine_info():
     except OSError:
         pass
     return dict(cpu=cpu, logical_cpus=os.cpu_count(), threads=THREADS, torch=torch.__version__,
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                load_average=os.getloadavg(),
                 python=platform.python_version(), platform=platform.platform(),
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 device="cpu")
