@@ -5,9 +5,11 @@
 //   header : VERSION, n_operands, n_sliced, out_ndim, out_shape[out_ndim], n_instr
 //   SELECT  : 1, slot, dim, k                  slot = slot.select(dim, index of sliced mode k)
 //   SUM     : 2, slot, n, dims[n]              slot = slot.sum(dims)
-//   CONTRACT: 3, a, b, c, ra, permA[ra], rb, permB[rb], Bt, M, K, N, rc, shapeC[rc]
-//             slot c = bmm(a.permute(permA).reshape(Bt,M,K), b.permute(permB).reshape(Bt,K,N))
-//                      .view(shapeC); slots a and b are released.
+//   CONTRACT: 3, a, b, c, ra, permA[ra], rb, permB[rb], tA, tB, Bt, M, K, N, rc, shapeC[rc]
+//             slot c = bmm(A, B).view(shapeC) with A = a.permute(permA).reshape(Bt,M,K) or, if tA,
+//             a.permute(permA).reshape(Bt,K,M).transpose(1,2) (B likewise: [Bt,K,N] or, if tB,
+//             [Bt,N,K] transposed): the planner picks the layout that needs no copy. Slots a and b
+//             are released.
 //   FINAL   : 4, slot, rf, perm[rf], n_blk, (pos, k)[n_blk]
 //             out.select(pos, index of sliced mode k)... += slot.permute(perm)
 //
@@ -40,6 +42,7 @@ struct Instr {
   int64_t a = 0, b = 0, c = 0;                  // CONTRACT
   std::vector<int64_t> perm_a, perm_b, shape_c;
   int64_t bt = 0, m = 0, kk = 0, n = 0;
+  bool ta = false, tb = false;
   std::vector<int64_t> perm;                    // FINAL
   std::vector<std::pair<int64_t, int64_t>> blocks;  // FINAL (pos, k), pos descending
 };
@@ -105,6 +108,8 @@ Program decode(at::IntArrayRef prog, int64_t n_given) {
         P.n_slots += 1;
         in.perm_a = r.vec(r.next());
         in.perm_b = r.vec(r.next());
+        in.ta = r.next() != 0;
+        in.tb = r.next() != 0;
         in.bt = r.next();
         in.m = r.next();
         in.kk = r.next();
@@ -159,6 +164,17 @@ at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3) {
   return at::bmm(a3, b3);
 }
 
+// The GEMM operands as stored ([Bt,M,K] or, transposed, [Bt,K,M]; [Bt,K,N] or [Bt,N,K]) and as
+// bmm takes them.
+at::Tensor stored_a(const at::Tensor& slot, const Instr& in) {
+  return slot.permute(in.perm_a).reshape(in.ta ? at::IntArrayRef{in.bt, in.kk, in.m} : at::IntArrayRef{in.bt, in.m, in.kk});
+}
+at::Tensor stored_b(const at::Tensor& slot, const Instr& in) {
+  return slot.permute(in.perm_b).reshape(in.tb ? at::IntArrayRef{in.bt, in.n, in.kk} : at::IntArrayRef{in.bt, in.kk, in.n});
+}
+at::Tensor gemm_a(const at::Tensor& stored, const Instr& in) { return in.ta ? stored.transpose(1, 2) : stored; }
+at::Tensor gemm_b(const at::Tensor& stored, const Instr& in) { return in.tb ? stored.transpose(1, 2) : stored; }
+
 at::Tensor block_of(at::Tensor t, const Instr& fin, const int64_t* idx) {
   for (const auto& [pos, k] : fin.blocks) t = t.select(pos, idx[k]);
   return t;
@@ -208,21 +224,20 @@ at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* i
         break;
       case kContract: {
         if (mode == Mode::kRun) {
-          at::Tensor a3 = slots[in.a].permute(in.perm_a).reshape({in.bt, in.m, in.kk});
-          at::Tensor b3 = slots[in.b].permute(in.perm_b).reshape({in.bt, in.kk, in.n});
-          slots[in.c] = matmul3(a3, b3).view(in.shape_c);
+          slots[in.c] = matmul3(gemm_a(stored_a(slots[in.a], in), in), gemm_b(stored_b(slots[in.b], in), in))
+                            .view(in.shape_c);
         } else {
-          at::Tensor a3, b3;
+          at::Tensor a3, b3;  // stored layout; Saved keeps them so
           if (mode == Mode::kReplay) {
             TORCH_CHECK(r + 2 <= replay.size(), "contract_program_backward: too few cached tensors");
             a3 = replay[r];
             b3 = replay[r + 1];
             r += 2;
           } else {
-            a3 = slots[in.a].permute(in.perm_a).reshape({in.bt, in.m, in.kk});
-            b3 = slots[in.b].permute(in.perm_b).reshape({in.bt, in.kk, in.n});
+            a3 = stored_a(slots[in.a], in);
+            b3 = stored_b(slots[in.b], in);
             if (mode == Mode::kRecord || in.c != final_slot)
-              slots[in.c] = matmul3(a3, b3).view(in.shape_c);
+              slots[in.c] = matmul3(gemm_a(a3, in), gemm_b(b3, in)).view(in.shape_c);
           }
           Saved& s = (*saved)[t];
           // dA needs B and dB needs A; keep only what an operand that needs a gradient uses.
@@ -319,9 +334,11 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::Tens
   at::Tensor r = run_slice(P, operands, idx, Mode::kRecord, &saved, &needs, &sum_shapes);
   std::vector<at::Tensor> keep;
   auto own = [&](const at::Tensor& t) {
-    // outputs of a custom op may not alias its inputs: copy the (operand-sized) views
+    // outputs of a custom op may not alias its inputs (copy the operand-sized views) and
+    // must have the fake kernel's contiguous layout
     if (!t.defined()) return at::empty({0}, operands[0].options());
-    return aliases_operand(t, operands) || t.is_conj() ? t.resolve_conj().clone() : t;
+    if (aliases_operand(t, operands) || t.is_conj()) return t.resolve_conj().clone(at::MemoryFormat::Contiguous);
+    return t.contiguous();
   };
   for (size_t t = 0; t < P.instrs.size(); ++t) {
     if (P.instrs[t].op != kContract) continue;
@@ -385,10 +402,17 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
         if (!g[in.c].defined()) continue;
         const Saved& s = saved[t];
         at::Tensor gc3 = g[in.c].reshape({in.bt, in.m, in.n});
-        if (needs[in.a])
-          g[in.a] = matmul3(gc3, s.b3.mH()).view(s.shape_a).permute(inverse(in.perm_a));
-        if (needs[in.b])
-          g[in.b] = matmul3(s.a3.mH(), gc3).view(s.shape_b).permute(inverse(in.perm_b));
+        // dA = dC B^H, dB = A^H dC (torch.matmul's complex convention), back in stored layout
+        if (needs[in.a]) {
+          at::Tensor ga = in.ta ? matmul3(gemm_b(s.b3, in), gc3.mH()).conj()  // [Bt,K,M] = (dC B^H)^T
+                                : matmul3(gc3, gemm_b(s.b3, in).mH());
+          g[in.a] = ga.resolve_conj().reshape(s.shape_a).permute(inverse(in.perm_a));
+        }
+        if (needs[in.b]) {
+          at::Tensor gb = in.tb ? matmul3(gc3.transpose(1, 2), gemm_a(s.a3, in).conj())  // [Bt,N,K] = (A^H dC)^T
+                                : matmul3(gemm_a(s.a3, in).mH(), gc3);
+          g[in.b] = gb.resolve_conj().reshape(s.shape_b).permute(inverse(in.perm_b));
+        }
         g[in.c] = at::Tensor();
         saved[t] = Saved{};  // free as we go: the reverse sweep only shrinks memory
       }

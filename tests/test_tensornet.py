@@ -728,3 +728,32 @@ def test_cuda_matches_cpu():
     gg = torch.autograd.grad(out_g.abs().sum(), gpu)
     for x, y in zip(gc, gg):
         _close(y.cpu(), x)
+
+
+@pytest.mark.parametrize("expr", ["ji,jk->ik", "ij,kj->ik", "ji,kj->ik", "bji,bkj->bik", "jbi,kbj->bki"])
+def test_transposed_gemm_layouts(expr):
+    """The planner feeds bmm transposed views instead of copies; values, gradients and double
+    gradients must not care which layout was picked."""
+    gen = torch.Generator().manual_seed(24)
+    size = {"i": 2, "j": 3, "k": 4, "b": 2}
+    terms = expr.split("->")[0].split(",")
+    ops = [_rand(tuple(size[c] for c in t), C128, gen, requires_grad=True) for t in terms]
+    p = tn.plan(expr, *ops)
+    prog = p._compiled.program
+    i = 4 + prog[3] + 1
+    while prog[i] != 3:  # skip to the CONTRACT
+        i += 4 if prog[i] == 1 else 3 + prog[i + 2]
+    ra = prog[i + 4]
+    rb = prog[i + 5 + ra]
+    ta, tb = prog[i + 6 + ra + rb], prog[i + 7 + ra + rb]
+    expect = {"ji,jk->ik": (1, 0), "ij,kj->ik": (0, 1), "ji,kj->ik": (1, 1)}.get(expr)
+    if expect is not None:
+        assert (ta, tb) == expect
+    _check_against_einsum(expr, [o.detach() for o in ops])
+    assert torch.autograd.gradgradcheck(lambda *x: p.contract(*x), ops)
+    if expr == "ji,kj->ik":
+        prog_l, a, b = list(prog), ops[0].detach(), ops[1].detach()
+        torch.library.opcheck(torch.ops.torch_gradops.contract_program_cached.default, ([a, b], prog_l, [], [1, 1]))
+        _, cache = torch.ops.torch_gradops.contract_program_cached([a, b], prog_l, [], [1, 1])
+        torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
+                              ([a, b], prog_l, [], _rand((2, 4), C128, gen), [1, 1], cache))

@@ -69,12 +69,13 @@ def _cached_shapes(program, needs_grad):
             a, b, c = program[i + 1:i + 4]
             ra = program[i + 4]
             rb = program[i + 5 + ra]
-            bt, m, k, n = program[i + 6 + ra + rb:i + 10 + ra + rb]
-            rc = program[i + 10 + ra + rb]
-            shapes.append((bt, m, k) if needs[b] else (0,))
-            shapes.append((bt, k, n) if needs[a] else (0,))
+            ta, tb, bt, m, k, n = program[i + 6 + ra + rb:i + 12 + ra + rb]
+            rc = program[i + 12 + ra + rb]
+            # transposed operands are kept in their stored ([Bt,K,M] / [Bt,N,K]) layout
+            shapes.append(((bt, k, m) if ta else (bt, m, k)) if needs[b] else (0,))
+            shapes.append(((bt, n, k) if tb else (bt, k, n)) if needs[a] else (0,))
             needs[c] = needs[a] or needs[b]
-            i += 11 + ra + rb + rc
+            i += 13 + ra + rb + rc
         else:
             break
     return shapes
@@ -791,6 +792,31 @@ def _check_path(path, n):
 
 
 # ---------------------------------------------------------------------------- compiler
+def _gemm_layout(ma, mb, left, right, count, sizes):
+    """Orders of the batch and contracted modes and whether A / B enter the GEMM transposed,
+    chosen so that A = [batch, left, contr] or [batch, contr, left] and B = [batch, contr,
+    right] or [batch, right, contr] are plain views of the tensors as they lie in memory
+    (bmm takes a transposed view without copying); when that cannot hold for both, the
+    smaller tensor is the one copied."""
+    setb, seta = set(mb), set(ma)
+
+    def fits(modes, first, second, third):
+        return modes == first + second + third
+
+    best = None
+    for src in (ma, mb):
+        batch = [m for m in src if m in seta and m in setb and count[m] > 0]
+        contr = [m for m in src if m in seta and m in setb and count[m] == 0]
+        ta = 0 if fits(ma, batch, left, contr) else 1 if fits(ma, batch, contr, left) else 0
+        a_ok = fits(ma, batch, left, contr) or fits(ma, batch, contr, left)
+        tb = 0 if fits(mb, batch, contr, right) else 1 if fits(mb, batch, right, contr) else 0
+        b_ok = fits(mb, batch, contr, right) or fits(mb, batch, right, contr)
+        copied = (0 if a_ok else math.prod(sizes[m] for m in ma)) + (0 if b_ok else math.prod(sizes[m] for m in mb))
+        if best is None or copied < best[0]:
+            best = (copied, batch, contr, ta, tb)
+    return best[1:]
+
+
 def _compile(inputs, output, sizes, path, sliced):
     """Program (see csrc/contract.cpp) and per step (multiply-adds, result elements)."""
     slot_of_k = {m: k for k, m in enumerate(sliced)}
@@ -841,18 +867,17 @@ def _compile(inputs, output, sizes, path, sliced):
         ma = [m for m in ma if m in setb or count[m] > 0]
         mb = [m for m in mb if m in seta or count[m] > 0]
         setb, seta = set(mb), set(ma)
-        batch = [m for m in ma if m in setb and count[m] > 0]
-        contr = [m for m in ma if m in setb and count[m] == 0]
         left = [m for m in ma if m not in setb]
         right = [m for m in mb if m not in seta]
-        pa = [ma.index(m) for m in batch + left + contr]
-        pb = [mb.index(m) for m in batch + contr + right]
+        batch, contr, ta, tb = _gemm_layout(ma, mb, left, right, count, sizes)
+        pa = [ma.index(m) for m in (batch + contr + left if ta else batch + left + contr)]
+        pb = [mb.index(m) for m in (batch + right + contr if tb else batch + contr + right)]
         bt = math.prod(sizes[m] for m in batch)
         mm = math.prod(sizes[m] for m in left)
         kk = math.prod(sizes[m] for m in contr)
         nn = math.prod(sizes[m] for m in right)
         cm = batch + left + right
-        prog += [_CONTRACT, sa, sb, nslot, len(pa)] + pa + [len(pb)] + pb + [bt, mm, kk, nn, len(cm)] + \
+        prog += [_CONTRACT, sa, sb, nslot, len(pa)] + pa + [len(pb)] + pb + [ta, tb, bt, mm, kk, nn, len(cm)] + \
             [sizes[m] for m in cm]
         for m in cm:
             count[m] += 1
@@ -881,8 +906,8 @@ def _compile(inputs, output, sizes, path, sliced):
         elif op == _CONTRACT:
             ra = prog[i + 4]
             rb = prog[i + 5 + ra]
-            rc = prog[i + 10 + ra + rb]
-            i += 11 + ra + rb + rc
+            rc = prog[i + 12 + ra + rb]
+            i += 13 + ra + rb + rc
         else:
             i += 3 + prog[i + 2]
             i += 1 + 2 * prog[i]
