@@ -159,8 +159,8 @@ void check_operands(at::TensorList operands) {
 }
 
 at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3) {
-  // A single batch is a plain GEMM; mm avoids bmm's batch bookkeeping.
-  if (a3.size(0) == 1) return at::mm(a3.select(0, 0), b3.select(0, 0)).unsqueeze(0);
+  // Always bmm, even for one batch: for tiny products ATen's CPU bmm uses its own loop, where
+  // mm would call BLAS, whose thread start-up dominates small GEMMs.
   return at::bmm(a3, b3);
 }
 
