@@ -512,6 +512,7 @@ def test_sliced_backward_peak_memory_is_bounded():
     peak_naive = _peak_bytes(per_slice_autograd)
     bound = 4 * limit + 2 * operand_bytes + 64 * 1024
     assert peak_sliced <= bound, (peak_sliced, bound)
+    assert peak_sliced <= 2 * p.slice_working_set + 2 * operand_bytes + 64 * 1024
     assert peak_unsliced > 4 * peak_sliced
     assert peak_naive > 4 * peak_sliced, (peak_naive, peak_sliced)
 

@@ -373,6 +373,9 @@ class ContractionPlan:
         flops: real floating-point operations of all slices (a complex multiply-add counts 8).
         largest_intermediate: ``(elements, bytes)`` of the largest tensor a step creates, per
             slice: what ``memory_limit`` bounds.
+        slice_working_set: bytes of all GEMM operands of one slice, what a slice's backward
+            keeps at most (the sliced backward's peak is about this plus operands and gradients,
+            whatever the number of slices).
     """
 
     def __init__(self, *, expr, inputs, output, shapes, dtype, device_type, path, sliced, sizes,
@@ -406,6 +409,8 @@ class ContractionPlan:
         self.flops = int(per_slice * 2 * (4 if cplx else 1) * self.num_slices)
         largest = max([s[1] for s in steps] + [math.prod(sized[m] for m in eff_output if m not in set(sliced))])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
+        # what one slice's backward holds at most: every GEMM operand of the slice (bytes)
+        self.slice_working_set = int(sum(st[2] for st in steps) * itemsize)
         self._tables: Dict[Any, Tuple[int, ...]] = {}
 
     # -- slices --------------------------------------------------------------------------
@@ -618,6 +623,7 @@ class ContractionPlan:
                 f"device_type={self.device_type!r}, optimizer={self.optimizer!r}, path={path} "
                 f"({len(self.path)} steps), sliced_modes={list(self.sliced_modes)}, num_slices={self.num_slices}, "
                 f"flops={self.flops:.4g}, largest_intermediate={li_el} elements ({_fmt_bytes(li_b)}), "
+                f"slice_working_set={_fmt_bytes(self.slice_working_set)}, "
                 f"memory_limit={None if self.memory_limit is None else _fmt_bytes(self.memory_limit)})")
 
 
@@ -881,7 +887,7 @@ def _compile(inputs, output, sizes, path, sliced):
             [sizes[m] for m in cm]
         for m in cm:
             count[m] += 1
-        steps.append((bt * mm * kk * nn, bt * mm * nn))
+        steps.append((bt * mm * kk * nn, bt * mm * nn, bt * kk * (mm + nn)))
         cur.append((nslot, cm))
         nslot += 1
     if len(cur) != 1:
