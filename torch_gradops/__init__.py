@@ -7,7 +7,12 @@ kernels for ``torch.compile``); the Python API wraps them in ``torch.autograd.Fu
 from ._library import built_with_cuda
 from .graph import BipartiteCSC
 from .gat import GATAttentionFunction, gat_attention, mha_gat_n2n
+from . import tensornet
+from .tensornet import ContractFunction, ContractionPlan
+
+contract = tensornet.contract  # torch_gradops.contract(expr, *operands, ...)
 
 __version__ = "0.1.0"
 
-__all__ = ["BipartiteCSC", "GATAttentionFunction", "gat_attention", "mha_gat_n2n", "built_with_cuda"]
+__all__ = ["BipartiteCSC", "GATAttentionFunction", "gat_attention", "mha_gat_n2n", "built_with_cuda",
+           "tensornet", "contract", "ContractFunction", "ContractionPlan"]

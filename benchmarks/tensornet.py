@@ -1,0 +1,346 @@
+"""Benchmark of torch_gradops.tensornet against torch.einsum, opt_einsum and cotengra.
+
+Each (case, implementation) runs in a fresh Python process; every implementation uses the
+same contraction path (and, for the sliced cases, the same sliced modes). Measured: forward
+(inference) and forward+backward median wall time, and peak allocator bytes of each (torch
+profiler memory events, a separate run). FLOPs are the plan's real floating-point operations;
+achieved FLOP/s is compared with torch.matmul throughput measured in the same run.
+
+    python benchmarks/tensornet.py                # all cases, writes benchmarks/results/tensornet_cpu.json
+    python benchmarks/tensornet.py --quick        # smaller networks (smoke test)
+
+"torch.einsum" means one torch.einsum call per pairwise step of the path: torch.einsum accepts
+at most 52 mode letters and these networks have hundreds of modes.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+warnings.filterwarnings("ignore")
+
+THREADS = 2
+
+
+# ---------------------------------------------------------------------------- cases
+def make_network(spec):
+    import torch
+    from torch_gradops import _demo_tensornet as demo
+    dtype = getattr(torch, spec["dtype"])
+    kind, kw = spec["kind"], spec["params"]
+    if kind == "circuit":
+        return demo.circuit_amplitude_network(kw["rows"], kw["cols"], kw["depth"], seed=kw["seed"], dtype=dtype)
+    if kind == "peps":
+        return demo.peps_norm_network(kw["rows"], kw["cols"], kw["bond"], seed=kw["seed"], dtype=dtype)
+    if kind == "mps":
+        return demo.mps_network(kw["n"], bond=kw["bond"], seed=kw["seed"], dtype=dtype)
+    raise ValueError(kind)
+
+
+def _interleaved(inputs, output, arrays):
+    args = []
+    for t, a in zip(inputs, arrays):
+        args += [a, t]
+    return args + [list(output)]
+
+
+def build_specs(quick: bool):
+    """Cases with their shared path (cotengra's or greedy) and sliced modes, planned once here."""
+    import torch
+    from torch_gradops import tensornet as tn
+    circ = dict(rows=4, cols=5, depth=12 if not quick else 8, seed=0)
+    peps = dict(rows=6 if not quick else 4, cols=6 if not quick else 4, bond=3, seed=0)
+    cases = [
+        dict(name="circuit", kind="circuit", params=circ, dtype="complex64", optimize="cotengra",
+             desc=f"random circuit amplitude {circ['rows']}x{circ['cols']} depth {circ['depth']}, complex64"),
+        dict(name="peps", kind="peps", params=peps, dtype="float32", optimize="cotengra",
+             desc=f"PEPS norm {peps['rows']}x{peps['cols']} bond {peps['bond']}, float32"),
+        dict(name="mps", kind="mps", params=dict(n=75, bond=4, seed=0), dtype="float32", optimize="greedy",
+             desc="MPS norm, 150 tensors [4,2,4], float32 (per-call overhead)"),
+        dict(name="sliced16", kind="circuit", params=circ, dtype="complex64", optimize="cotengra", slices=16,
+             desc="circuit, memory_limit forcing >= 16 slices"),
+        dict(name="sliced64", kind="circuit", params=circ, dtype="complex64", optimize="cotengra", slices=64,
+             desc="circuit, memory_limit forcing >= 64 slices"),
+    ]
+    paths = {}
+    for c in cases:
+        inputs, output, arrays = make_network(c)
+        key = (c["kind"], json.dumps(c["params"]), c["optimize"])
+        if key not in paths:
+            if c["optimize"] == "cotengra":
+                import cotengra as ctg
+                opt = ctg.HyperOptimizer(max_repeats=32, progbar=False, parallel=False)
+                p = tn.plan(*_interleaved(inputs, output, arrays), optimize=opt)
+            else:
+                p = tn.plan(*_interleaved(inputs, output, arrays), optimize=c["optimize"])
+            paths[key] = p
+        base = paths[key]
+        c["path"] = [list(x) for x in base.path]
+        c["sliced"] = []
+        if c.get("slices"):
+            limit = base.largest_intermediate[1] // c["slices"]
+            p = tn.plan(*_interleaved(inputs, output, arrays), optimize=base.path, memory_limit=limit,
+                        slicing={"min_slices": c["slices"]})
+            c["sliced"] = list(p.sliced_modes)
+            c["memory_limit"] = limit
+        else:
+            p = base
+        c["flops"] = p.flops
+        c["num_slices"] = p.num_slices
+        c["largest_intermediate_bytes"] = p.largest_intermediate[1]
+        c["n_tensors"] = len(arrays)
+        c["operand_bytes"] = sum(a.numel() * a.element_size() for a in arrays)
+    return cases
+
+
+IMPLS = {
+    "circuit": ["torch_gradops", "torch.einsum", "opt_einsum", "cotengra"],
+    "peps": ["torch_gradops", "torch.einsum", "opt_einsum", "cotengra"],
+    "mps": ["torch_gradops", "torch.einsum", "opt_einsum", "cotengra"],
+    "sliced16": ["torch_gradops", "cotengra"],
+    "sliced64": ["torch_gradops", "cotengra"],
+}
+
+
+# ---------------------------------------------------------------------------- worker
+def _peak_bytes(fn):
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def _median_time(fn, budget_s, min_reps=3, max_reps=30):
+    fn()  # warm-up (thread pools, allocator, first-call costs)
+    times = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), len(times)
+
+
+def make_callable(impl, spec, inputs, output, arrays):
+    """A function of the operand list returning the contraction (scalar here)."""
+    import opt_einsum
+    import torch
+    from torch_gradops import _demo_tensornet as demo
+    from torch_gradops import tensornet as tn
+    path = [tuple(p) for p in spec["path"]]
+    sliced = spec["sliced"]
+    if impl == "torch_gradops":
+        plan = tn.plan(*_interleaved(inputs, output, arrays), optimize=path, slicing=sliced or None)
+        assert plan.num_slices == spec["num_slices"]
+        return lambda ops: plan.contract(*ops)
+    if impl == "torch.einsum":
+        return lambda ops: demo.einsum_pairwise(inputs, output, ops, path)
+    if impl == "opt_einsum":
+        sym = opt_einsum.get_symbol
+        eq = ",".join("".join(sym(m) for m in t) for t in inputs) + "->" + "".join(sym(m) for m in output)
+        # per call as users call it: opt_einsum.contract with the explicit path
+        return lambda ops: opt_einsum.contract(eq, *ops, optimize=path, backend="torch")
+    if impl == "cotengra":
+        import cotengra as ctg
+        sym = opt_einsum.get_symbol  # cotengra wants str labels
+        sizes = {}
+        for t, a in zip(inputs, arrays):
+            sizes.update(zip((sym(m) for m in t), a.shape))
+        tree = ctg.ContractionTree.from_path([tuple(sym(m) for m in t) for t in inputs],
+                                             tuple(sym(m) for m in output), sizes, path=path)
+        for ix in sliced:
+            tree.remove_ind_(sym(ix))
+        assert tree.nslices == spec["num_slices"]
+        return lambda ops: tree.contract(ops, backend="torch")
+    raise ValueError(impl)
+
+
+def worker(spec, impl):
+    import torch
+    torch.set_num_threads(THREADS)
+    inputs, output, arrays = make_network(spec)
+    fn = make_callable(impl, spec, inputs, output, arrays)
+    big = spec["flops"] > 1e9
+    budget = 2.0 if not big else 0.5
+    with torch.no_grad():
+        value = complex(fn(arrays).item())
+        t_fwd, n_fwd = _median_time(lambda: fn(arrays), budget, min_reps=3 if not big else 2)
+    leaves = [a.clone().requires_grad_(True) for a in arrays]
+
+    def fwd_bwd():
+        out = fn(leaves)
+        loss = out.real if out.is_complex() else out
+        torch.autograd.grad(loss, leaves)
+    t_fb, n_fb = _median_time(fwd_bwd, budget, min_reps=3 if not big else 2)
+    with torch.no_grad():
+        peak_fwd = _peak_bytes(lambda: fn(arrays))
+    peak_fb = _peak_bytes(fwd_bwd)
+    return dict(case=spec["name"], impl=impl, value=[value.real, value.imag], fwd_s=t_fwd, fwd_reps=n_fwd,
+                fwdbwd_s=t_fb, fwdbwd_reps=n_fb, fwd_peak_bytes=peak_fwd, fwdbwd_peak_bytes=peak_fb)
+
+
+def matmul_worker():
+    import torch
+    torch.set_num_threads(THREADS)
+    out = {}
+    for name, dtype, factor in (("float32", torch.float32, 2), ("complex64", torch.complex64, 8)):
+        n = 1024
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        t, _ = _median_time(lambda: torch.matmul(a, b), 1.0)
+        out[name] = factor * n ** 3 / t
+    return out
+
+
+# ---------------------------------------------------------------------------- driver
+def _run_sub(args, timeout=600):
+    cmd = [sys.executable, os.path.abspath(__file__)] + args
+    # Shared 2-core machine: spin-waiting OpenMP workers made timings swing 10x between runs
+    # (for every implementation); passive waiting keeps them comparable.
+    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+    if res.returncode != 0 or not lines:
+        return {"error": (res.stderr or res.stdout)[-2000:]}
+    return json.loads(lines[-1])
+
+
+def machine_info():
+    import torch
+    cpu = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return dict(cpu=cpu, logical_cpus=os.cpu_count(), threads=THREADS, torch=torch.__version__,
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
+                load_average=os.getloadavg(),
+                python=platform.python_version(), platform=platform.platform(),
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device="cpu")
+
+
+def _fmt_t(s):
+    return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
+
+
+def _fmt_b(b):
+    return f"{b / 2**20:.3g} MiB"
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", nargs=2, metavar=("SPECFILE", "IMPL"))
+    ap.add_argument("--case")
+    ap.add_argument("--matmul", action="store_true")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tensornet_cpu.json"))
+    args = ap.parse_args()
+    if args.worker:
+        with open(args.worker[0]) as f:
+            specs = {s["name"]: s for s in json.load(f)}
+        print(json.dumps(worker(specs[args.case], args.worker[1])))
+        return
+    if args.matmul:
+        print(json.dumps(matmul_worker()))
+        return
+
+    t_start = time.perf_counter()
+    info = machine_info()
+    print(f"machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}, {info['date']}")
+    specs = build_specs(args.quick)
+    matmul = _run_sub(["--matmul"])
+    print(f"torch.matmul 1024^3: {matmul.get('float32', 0) / 1e9:.1f} GFLOP/s float32, "
+          f"{matmul.get('complex64', 0) / 1e9:.1f} GFLOP/s complex64")
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(specs, f)
+        specfile = f.name
+    results = []
+    for spec in specs:
+        for impl in IMPLS[spec["name"]]:
+            r = _run_sub(["--worker", specfile, impl, "--case", spec["name"]])
+            r.setdefault("case", spec["name"])
+            r.setdefault("impl", impl)
+            if "error" not in r:
+                peak_ref = matmul.get(spec["dtype"], 0)
+                r["fwd_flops_per_s"] = spec["flops"] / r["fwd_s"]
+                r["fwd_fraction_of_matmul"] = r["fwd_flops_per_s"] / peak_ref if peak_ref else None
+                print(f"  {spec['name']:9s} {impl:14s} fwd {_fmt_t(r['fwd_s']):>10s}  fwd+bwd {_fmt_t(r['fwdbwd_s']):>10s}"
+                      f"  peak fwd {_fmt_b(r['fwd_peak_bytes']):>10s}  peak fwd+bwd {_fmt_b(r['fwdbwd_peak_bytes']):>10s}",
+                      flush=True)
+            else:
+                print(f"  {spec['name']:9s} {impl:14s} ERROR {r['error'][-300:]}", flush=True)
+            results.append(r)
+    os.unlink(specfile)
+
+    # ratios: ours / best peer on the same path
+    summary = []
+    for spec in specs:
+        rows = {r["impl"]: r for r in results if r["case"] == spec["name"] and "error" not in r}
+        ours = rows.get("torch_gradops")
+        peers = {k: v for k, v in rows.items() if k != "torch_gradops"}
+        if not ours or not peers:
+            continue
+        best_f = min(peers.values(), key=lambda r: r["fwd_s"])
+        best_fb = min(peers.values(), key=lambda r: r["fwdbwd_s"])
+        s = dict(case=spec["name"], desc=spec["desc"], n_tensors=spec["n_tensors"], num_slices=spec["num_slices"],
+                 flops=spec["flops"], fwd_ratio_vs_best=ours["fwd_s"] / best_f["fwd_s"], best_fwd_peer=best_f["impl"],
+                 fwdbwd_ratio_vs_best=ours["fwdbwd_s"] / best_fb["fwdbwd_s"], best_fwdbwd_peer=best_fb["impl"],
+                 fwdbwd_peak_ratio_vs_peers={k: ours["fwdbwd_peak_bytes"] / v["fwdbwd_peak_bytes"]
+                                             for k, v in peers.items()})
+        if spec["name"] == "mps" and "opt_einsum" in peers:
+            s["mps_overhead_ratio_vs_opt_einsum"] = ours["fwd_s"] / peers["opt_einsum"]["fwd_s"]
+        if spec.get("memory_limit"):
+            s["memory_limit_bytes"] = spec["memory_limit"]
+            s["operand_bytes"] = spec["operand_bytes"]
+        summary.append(s)
+
+    print()
+    print("| case | tensors | slices | GFLOP | impl | fwd | fwd+bwd | peak fwd+bwd | fwd GFLOP/s (% matmul) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for spec in specs:
+        for r in results:
+            if r["case"] != spec["name"] or "error" in r:
+                continue
+            frac = r.get("fwd_fraction_of_matmul")
+            print(f"| {spec['name']} | {spec['n_tensors']} | {spec['num_slices']} | {spec['flops'] / 1e9:.3g} | {r['impl']} | "
+                  f"{_fmt_t(r['fwd_s'])} | {_fmt_t(r['fwdbwd_s'])} | {_fmt_b(r['fwdbwd_peak_bytes'])} | "
+                  f"{r['fwd_flops_per_s'] / 1e9:.3g} ({100 * frac:.1f}%) |" if frac else "|")
+    print()
+    for s in summary:
+        line = (f"{s['case']}: ours/best peer fwd {s['fwd_ratio_vs_best']:.2f}x ({s['best_fwd_peer']}), "
+                f"fwd+bwd {s['fwdbwd_ratio_vs_best']:.2f}x ({s['best_fwdbwd_peer']}); peak fwd+bwd vs peers "
+                + ", ".join(f"{k} {v:.2f}x" for k, v in s["fwdbwd_peak_ratio_vs_peers"].items()))
+        if "mps_overhead_ratio_vs_opt_einsum" in s:
+            line += f"; per-call overhead vs opt_einsum {s['mps_overhead_ratio_vs_opt_einsum']:.3f}x (target <= 0.333)"
+        print(line)
+    out = dict(machine=info, matmul_flops_per_s=matmul, cases=specs, results=results, summary=summary,
+               total_wall_s=time.perf_counter() - t_start)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    print(f"\nwrote {args.out} ({out['total_wall_s']:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

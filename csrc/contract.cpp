@@ -1,0 +1,455 @@
+// Executor for compiled tensor-network contraction programs (torch_gradops/tensornet.py).
+//
+// A program is a flat int64 list that the Python planner emits once per plan:
+//
+//   header : VERSION, n_operands, n_sliced, out_ndim, out_shape[out_ndim], n_instr
+//   SELECT  : 1, slot, dim, k                  slot = slot.select(dim, index of sliced mode k)
+//   SUM     : 2, slot, n, dims[n]              slot = slot.sum(dims)
+//   CONTRACT: 3, a, b, c, ra, permA[ra], rb, permB[rb], tA, tB, Bt, M, K, N, rc, shapeC[rc]
+//             slot c = bmm(A, B).view(shapeC) with A = a.permute(permA).reshape(Bt,M,K) or, if tA,
+//             a.permute(permA).reshape(Bt,K,M).transpose(1,2) (B likewise: [Bt,K,N] or, if tB,
+//             [Bt,N,K] transposed): the planner picks the layout that needs no copy. Slots a and b
+//             are released.
+//   FINAL   : 4, slot, rf, perm[rf], n_blk, (pos, k)[n_blk]
+//             out.select(pos, index of sliced mode k)... += slot.permute(perm)
+//
+// Slots 0..n_operands-1 hold the operands; every CONTRACT creates a new slot. A "slice table"
+// holds one row of n_sliced indices per slice to run; the op runs all rows in one call and sums
+// them (or writes output blocks, for sliced output modes). Everything goes through ATen, so the
+// same code serves CPU and CUDA on the current stream; the op is CompositeExplicitAutograd and
+// its autograd lives in Python (ContractFunction), whose backward calls
+// contract_program_backward: it recomputes one slice at a time, keeping only that slice's
+// intermediates, and accumulates each operand's gradient across slices.
+#include <torch/library.h>
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "checks.h"
+
+namespace torch_gradops {
+namespace {
+
+constexpr int64_t kVersion = 1;
+enum Op : int64_t { kSelect = 1, kSum = 2, kContract = 3, kFinal = 4 };
+
+struct Instr {
+  int64_t op = 0;
+  int64_t slot = 0, dim = 0, k = 0;             // SELECT (slot also for SUM/FINAL)
+  std::vector<int64_t> dims;                    // SUM dims
+  int64_t a = 0, b = 0, c = 0;                  // CONTRACT
+  std::vector<int64_t> perm_a, perm_b, shape_c;
+  int64_t bt = 0, m = 0, kk = 0, n = 0;
+  bool ta = false, tb = false;
+  std::vector<int64_t> perm;                    // FINAL
+  std::vector<std::pair<int64_t, int64_t>> blocks;  // FINAL (pos, k), pos descending
+};
+
+struct Program {
+  int64_t n_operands = 0, n_sliced = 0, n_slots = 0;
+  std::vector<int64_t> out_shape;
+  std::vector<Instr> instrs;
+};
+
+// Bounds-checked reader: a malformed program is an error, never an out-of-range read.
+struct Reader {
+  at::IntArrayRef p;
+  size_t i = 0;
+  int64_t next() {
+    TORCH_CHECK(i < p.size(), "contract_program: program is truncated (read past ", p.size(), " ints)");
+    return p[i++];
+  }
+  std::vector<int64_t> vec(int64_t n) {
+    TORCH_CHECK(n >= 0 && static_cast<size_t>(n) <= p.size() - std::min(i, p.size()),
+                "contract_program: program is truncated");
+    std::vector<int64_t> v(p.begin() + i, p.begin() + i + n);
+    i += n;
+    return v;
+  }
+};
+
+Program decode(at::IntArrayRef prog, int64_t n_given) {
+  Reader r{prog};
+  Program P;
+  TORCH_CHECK(r.next() == kVersion, "contract_program: unknown program version");
+  P.n_operands = r.next();
+  TORCH_CHECK(P.n_operands == n_given, "contract_program: the program is for ", P.n_operands,
+              " operands, got ", n_given);
+  P.n_sliced = r.next();
+  TORCH_CHECK(P.n_sliced >= 0, "contract_program: bad n_sliced");
+  P.out_shape = r.vec(r.next());
+  const int64_t n_instr = r.next();
+  P.n_slots = P.n_operands;
+  auto slot_ok = [&](int64_t s) {
+    TORCH_CHECK(s >= 0 && s < P.n_slots, "contract_program: slot ", s, " out of range");
+    return s;
+  };
+  for (int64_t t = 0; t < n_instr; ++t) {
+    Instr in;
+    in.op = r.next();
+    switch (in.op) {
+      case kSelect:
+        in.slot = slot_ok(r.next());
+        in.dim = r.next();
+        in.k = r.next();
+        TORCH_CHECK(in.k >= 0 && in.k < P.n_sliced, "contract_program: bad sliced-mode index");
+        break;
+      case kSum:
+        in.slot = slot_ok(r.next());
+        in.dims = r.vec(r.next());
+        break;
+      case kContract:
+        in.a = slot_ok(r.next());
+        in.b = slot_ok(r.next());
+        in.c = r.next();
+        TORCH_CHECK(in.c == P.n_slots, "contract_program: CONTRACT must create slot ", P.n_slots);
+        P.n_slots += 1;
+        in.perm_a = r.vec(r.next());
+        in.perm_b = r.vec(r.next());
+        in.ta = r.next() != 0;
+        in.tb = r.next() != 0;
+        in.bt = r.next();
+        in.m = r.next();
+        in.kk = r.next();
+        in.n = r.next();
+        in.shape_c = r.vec(r.next());
+        break;
+      case kFinal: {
+        in.slot = slot_ok(r.next());
+        in.perm = r.vec(r.next());
+        const int64_t nb = r.next();
+        for (int64_t j = 0; j < nb; ++j) {
+          const int64_t pos = r.next(), k = r.next();
+          TORCH_CHECK(k >= 0 && k < P.n_sliced, "contract_program: bad sliced-mode index");
+          in.blocks.emplace_back(pos, k);
+        }
+        TORCH_CHECK(t == n_instr - 1, "contract_program: FINAL must be the last instruction");
+        break;
+      }
+      default:
+        TORCH_CHECK(false, "contract_program: unknown instruction ", in.op);
+    }
+    P.instrs.push_back(std::move(in));
+  }
+  TORCH_CHECK(!P.instrs.empty() && P.instrs.back().op == kFinal,
+              "contract_program: program has no FINAL instruction");
+  TORCH_CHECK(r.i == prog.size(), "contract_program: trailing ints after the program");
+  return P;
+}
+
+int64_t num_rows(const Program& P, at::IntArrayRef table) {
+  if (P.n_sliced == 0) {
+    TORCH_CHECK(table.empty(), "contract_program: slice_table must be empty for an unsliced program");
+    return 1;
+  }
+  TORCH_CHECK(table.size() % P.n_sliced == 0, "contract_program: slice_table length ", table.size(),
+              " is not a multiple of the number of sliced modes ", P.n_sliced);
+  return static_cast<int64_t>(table.size()) / P.n_sliced;
+}
+
+void check_operands(at::TensorList operands) {
+  TORCH_CHECK(!operands.empty(), "contract_program: needs at least one operand");
+  for (size_t i = 1; i < operands.size(); ++i) {
+    TORCH_CHECK(operands[i].scalar_type() == operands[0].scalar_type(), "contract_program: operand ", i,
+                " has dtype ", operands[i].scalar_type(), ", operand 0 has ", operands[0].scalar_type());
+    check_same_device(operands[0], "operand 0", operands[i], "every operand");
+  }
+}
+
+at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3) {
+  // Always bmm, even for one batch: for tiny products ATen's CPU bmm uses its own loop, where
+  // mm would call BLAS, whose thread start-up dominates small GEMMs.
+  return at::bmm(a3, b3);
+}
+
+// The GEMM operands as stored ([Bt,M,K] or, transposed, [Bt,K,M]; [Bt,K,N] or [Bt,N,K]) and as
+// bmm takes them.
+at::Tensor stored_a(const at::Tensor& slot, const Instr& in) {
+  return slot.permute(in.perm_a).reshape(in.ta ? at::IntArrayRef{in.bt, in.kk, in.m} : at::IntArrayRef{in.bt, in.m, in.kk});
+}
+at::Tensor stored_b(const at::Tensor& slot, const Instr& in) {
+  return slot.permute(in.perm_b).reshape(in.tb ? at::IntArrayRef{in.bt, in.n, in.kk} : at::IntArrayRef{in.bt, in.kk, in.n});
+}
+at::Tensor gemm_a(const at::Tensor& stored, const Instr& in) { return in.ta ? stored.transpose(1, 2) : stored; }
+at::Tensor gemm_b(const at::Tensor& stored, const Instr& in) { return in.tb ? stored.transpose(1, 2) : stored; }
+
+at::Tensor block_of(at::Tensor t, const Instr& fin, const int64_t* idx) {
+  for (const auto& [pos, k] : fin.blocks) t = t.select(pos, idx[k]);
+  return t;
+}
+
+// Saved per CONTRACT step by the backward's recomputation: the GEMM operands that the
+// gradients need and the permuted shapes to undo the reshapes.
+struct Saved {
+  at::Tensor a3, b3;
+  std::vector<int64_t> shape_a, shape_b;  // after permute, before reshape
+};
+
+// kRun: the forward. kRecord: the forward, also keeping in `saved` the GEMM operands that the
+// gradients of the slots in `needs` use. kBackward: as kRecord but without the last GEMM (the
+// backward needs its inputs, not its result). kReplay: no GEMM at all; the GEMM operands come
+// from `replay` (what a kRecord forward returned: two per CONTRACT, empty where not kept).
+// Except in kRun, shapes are tracked so that `sum_shapes` gets the pre-sum shape of each SUM.
+enum class Mode { kRun, kRecord, kBackward, kReplay };
+
+at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* idx, Mode mode,
+                     std::vector<Saved>* saved = nullptr, const std::vector<char>* needs = nullptr,
+                     std::vector<std::vector<int64_t>>* sum_shapes = nullptr, at::TensorList replay = {}) {
+  std::vector<at::Tensor> slots(P.n_slots);
+  const bool track = mode != Mode::kRun;
+  std::vector<std::vector<int64_t>> shp(track ? P.n_slots : 0);
+  for (int64_t i = 0; i < P.n_operands; ++i) {
+    slots[i] = operands[i];
+    if (track) shp[i] = operands[i].sizes().vec();
+  }
+  const int64_t final_slot = P.instrs.back().slot;
+  size_t r = 0;
+  for (size_t t = 0; t < P.instrs.size(); ++t) {
+    const Instr& in = P.instrs[t];
+    switch (in.op) {
+      case kSelect:
+        slots[in.slot] = slots[in.slot].select(in.dim, idx[in.k]);
+        if (track) shp[in.slot].erase(shp[in.slot].begin() + in.dim);
+        break;
+      case kSum:
+        if (track) {
+          (*sum_shapes)[t] = shp[in.slot];
+          std::vector<int64_t> dims = in.dims;
+          std::sort(dims.rbegin(), dims.rend());
+          for (int64_t d : dims) shp[in.slot].erase(shp[in.slot].begin() + d);
+        }
+        if (slots[in.slot].defined()) slots[in.slot] = slots[in.slot].sum(in.dims);
+        break;
+      case kContract: {
+        if (mode == Mode::kRun) {
+          slots[in.c] = matmul3(gemm_a(stored_a(slots[in.a], in), in), gemm_b(stored_b(slots[in.b], in), in))
+                            .view(in.shape_c);
+        } else {
+          at::Tensor a3, b3;  // stored layout; Saved keeps them so
+          if (mode == Mode::kReplay) {
+            TORCH_CHECK(r + 2 <= replay.size(), "contract_program_backward: too few cached tensors");
+            a3 = replay[r];
+            b3 = replay[r + 1];
+            r += 2;
+          } else {
+            a3 = stored_a(slots[in.a], in);
+            b3 = stored_b(slots[in.b], in);
+            if (mode == Mode::kRecord || in.c != final_slot)
+              slots[in.c] = matmul3(gemm_a(a3, in), gemm_b(b3, in)).view(in.shape_c);
+          }
+          Saved& s = (*saved)[t];
+          // dA needs B and dB needs A; keep only what an operand that needs a gradient uses.
+          if ((*needs)[in.a]) {
+            s.b3 = b3;
+            for (int64_t d : in.perm_a) s.shape_a.push_back(shp[in.a][d]);
+          }
+          if ((*needs)[in.b]) {
+            s.a3 = a3;
+            for (int64_t d : in.perm_b) s.shape_b.push_back(shp[in.b][d]);
+          }
+          shp[in.c] = in.shape_c;
+        }
+        slots[in.a] = at::Tensor();  // release: memory stays one slice's live intermediates
+        slots[in.b] = at::Tensor();
+        break;
+      }
+      case kFinal:
+        if (mode == Mode::kRun || mode == Mode::kRecord) return slots[in.slot].permute(in.perm);
+        TORCH_CHECK(mode != Mode::kReplay || r == replay.size(),
+                    "contract_program_backward: too many cached tensors");
+        return at::Tensor();
+    }
+  }
+  TORCH_CHECK(false, "contract_program: unreachable");
+}
+
+std::vector<int64_t> inverse(const std::vector<int64_t>& perm) {
+  std::vector<int64_t> inv(perm.size());
+  for (size_t i = 0; i < perm.size(); ++i) inv[perm[i]] = static_cast<int64_t>(i);
+  return inv;
+}
+
+bool aliases_operand(const at::Tensor& t, at::TensorList operands) {
+  for (const auto& op : operands)
+    if (op.defined() && t.storage().is_alias_of(op.storage())) return true;
+  return false;
+}
+
+}  // namespace
+
+at::Tensor finish_single(at::Tensor r, at::TensorList operands) {
+  // A fresh, contiguous, conj-resolved result: the fake kernel promises exactly that and a
+  // custom op must not return a view of its input (e.g. a single operand "ij->ji").
+  if (r.is_conj()) r = r.resolve_conj();
+  if (!r.is_contiguous() || aliases_operand(r, operands)) r = r.clone(at::MemoryFormat::Contiguous);
+  return r;
+}
+
+// Sum over the slice-table rows of the program's result, shape out_shape, dtype of the operands.
+at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at::IntArrayRef slice_table) {
+  check_operands(operands);
+  const Program P = decode(program, static_cast<int64_t>(operands.size()));
+  const int64_t rows = num_rows(P, slice_table);
+  const Instr& fin = P.instrs.back();
+  if (rows == 1 && fin.blocks.empty()) {
+    const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
+    return finish_single(run_slice(P, operands, idx, Mode::kRun), operands);
+  }
+  at::Tensor out = at::zeros(P.out_shape, operands[0].options());
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t* idx = slice_table.data() + row * P.n_sliced;
+    block_of(out, fin, idx).add_(run_slice(P, operands, idx, Mode::kRun));
+  }
+  return out;
+}
+
+std::vector<char> slot_needs(const Program& P, at::IntArrayRef needs_grad) {
+  TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
+              "contract_program: needs_grad must have one entry per operand");
+  std::vector<char> needs(P.n_slots, 0);
+  for (int64_t i = 0; i < P.n_operands; ++i) needs[i] = needs_grad[i] != 0;
+  for (const auto& in : P.instrs)
+    if (in.op == kContract) needs[in.c] = needs[in.a] || needs[in.b];
+  return needs;
+}
+
+// One slice (slice_table has one row, or none for an unsliced program), also returning the
+// GEMM operands that contract_program_backward can reuse instead of recomputing the slice: per
+// CONTRACT (program order) the [Bt,M,K] and [Bt,K,N] matrices, each an empty tensor where no
+// gradient in needs_grad uses it. The forward cache of a single slice.
+std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::TensorList operands,
+                                                                        at::IntArrayRef program,
+                                                                        at::IntArrayRef slice_table,
+                                                                        at::IntArrayRef needs_grad) {
+  check_operands(operands);
+  const Program P = decode(program, static_cast<int64_t>(operands.size()));
+  TORCH_CHECK(num_rows(P, slice_table) == 1, "contract_program_cached: runs exactly one slice");
+  const std::vector<char> needs = slot_needs(P, needs_grad);
+  const Instr& fin = P.instrs.back();
+  const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
+  std::vector<Saved> saved(P.instrs.size());
+  std::vector<std::vector<int64_t>> sum_shapes(P.instrs.size());
+  at::Tensor r = run_slice(P, operands, idx, Mode::kRecord, &saved, &needs, &sum_shapes);
+  std::vector<at::Tensor> keep;
+  auto own = [&](const at::Tensor& t) {
+    // outputs of a custom op may not alias its inputs (copy the operand-sized views) and
+    // must have the fake kernel's contiguous layout
+    if (!t.defined()) return at::empty({0}, operands[0].options());
+    if (aliases_operand(t, operands) || t.is_conj()) return t.resolve_conj().clone(at::MemoryFormat::Contiguous);
+    return t.contiguous();
+  };
+  for (size_t t = 0; t < P.instrs.size(); ++t) {
+    if (P.instrs[t].op != kContract) continue;
+    keep.push_back(own(saved[t].a3));
+    keep.push_back(own(saved[t].b3));
+  }
+  if (fin.blocks.empty()) return {finish_single(r, operands), keep};
+  at::Tensor out = at::zeros(P.out_shape, operands[0].options());
+  block_of(out, fin, idx).add_(r);
+  return {out, keep};
+}
+
+// Gradients of sum_rows(program(operands)) under grad_out, for the operands flagged in
+// needs_grad (the others come back as empty tensors, at no cost). Complex follows PyTorch's
+// convention (grad_A = grad_C @ B^H, as torch.matmul's backward).
+std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::IntArrayRef program,
+                                                  at::IntArrayRef slice_table, const at::Tensor& grad_out,
+                                                  at::IntArrayRef needs_grad, at::TensorList cached) {
+  check_operands(operands);
+  const Program P = decode(program, static_cast<int64_t>(operands.size()));
+  const int64_t rows = num_rows(P, slice_table);
+  TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
+              "contract_program_backward: needs_grad must have one entry per operand");
+  check_shape(grad_out, P.out_shape, "grad_out");
+  check_same_device(operands[0], "operand 0", grad_out, "grad_out");
+  const Instr& fin = P.instrs.back();
+
+  const std::vector<char> needs = slot_needs(P, needs_grad);
+
+  std::vector<at::Tensor> grads(P.n_operands);
+  for (int64_t i = 0; i < P.n_operands; ++i)
+    grads[i] = needs[i] ? at::zeros_like(operands[i], at::MemoryFormat::Contiguous).resolve_conj()
+                        : at::empty({0}, operands[i].options());
+  if (!needs[fin.slot] || rows == 0) return grads;
+
+  const at::Tensor g_out = grad_out.scalar_type() == operands[0].scalar_type()
+                               ? grad_out
+                               : grad_out.to(operands[0].scalar_type());
+  std::vector<at::Tensor> g(P.n_slots);
+  std::vector<Saved> saved(P.instrs.size());
+  std::vector<std::vector<int64_t>> sum_shapes(P.instrs.size());
+  const std::vector<int64_t> fin_inv = inverse(fin.perm);
+  TORCH_CHECK(cached.empty() || rows == 1, "contract_program_backward: cached GEMM operands need a single slice");
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t* idx = P.n_sliced ? slice_table.data() + row * P.n_sliced : nullptr;
+    std::fill(saved.begin(), saved.end(), Saved{});
+    run_slice(P, operands, idx, cached.empty() ? Mode::kBackward : Mode::kReplay, &saved, &needs, &sum_shapes,
+              cached);
+    std::fill(g.begin(), g.end(), at::Tensor());
+    g[fin.slot] = block_of(g_out, fin, idx).permute(fin_inv);
+    for (int64_t t = static_cast<int64_t>(P.instrs.size()) - 1; t >= 0; --t) {
+      const Instr& in = P.instrs[t];
+      if (in.op == kSum) {
+        if (!g[in.slot].defined()) continue;
+        at::Tensor x = g[in.slot];
+        std::vector<int64_t> dims = in.dims;
+        std::sort(dims.begin(), dims.end());
+        for (int64_t d : dims) x = x.unsqueeze(d);
+        g[in.slot] = x.expand(sum_shapes[t]);
+      } else if (in.op == kContract) {
+        if (!g[in.c].defined()) continue;
+        const Saved& s = saved[t];
+        at::Tensor gc3 = g[in.c].reshape({in.bt, in.m, in.n});
+        // dA = dC B^H, dB = A^H dC (torch.matmul's complex convention), back in stored layout
+        if (needs[in.a]) {
+          at::Tensor ga = in.ta ? matmul3(gemm_b(s.b3, in), gc3.mH()).conj()  // [Bt,K,M] = (dC B^H)^T
+                                : matmul3(gc3, gemm_b(s.b3, in).mH());
+          g[in.a] = ga.resolve_conj().reshape(s.shape_a).permute(inverse(in.perm_a));
+        }
+        if (needs[in.b]) {
+          at::Tensor gb = in.tb ? matmul3(gc3.transpose(1, 2), gemm_a(s.a3, in).conj())  // [Bt,N,K] = (A^H dC)^T
+                                : matmul3(gemm_a(s.a3, in).mH(), gc3);
+          g[in.b] = gb.resolve_conj().reshape(s.shape_b).permute(inverse(in.perm_b));
+        }
+        g[in.c] = at::Tensor();
+        saved[t] = Saved{};  // free as we go: the reverse sweep only shrinks memory
+      }
+    }
+    for (int64_t i = 0; i < P.n_operands; ++i) {
+      if (!needs[i] || !g[i].defined()) continue;
+      at::Tensor view = grads[i];
+      for (const auto& in : P.instrs)  // SELECTs of an operand come before anything else on it
+        if (in.op == kSelect && in.slot == i) view = view.select(in.dim, idx[in.k]);
+      view.add_(g[i]);
+    }
+  }
+  return grads;
+}
+
+}  // namespace torch_gradops
+
+TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
+  // Runs a compiled contraction program (see the top of csrc/contract.cpp) once per row of
+  // slice_table and returns the sum of the rows' results (shape from the program's header).
+  m.def("contract_program(Tensor[] operands, int[] program, int[] slice_table) -> Tensor");
+  // Gradients of contract_program's result under grad_out, for operands with needs_grad != 0
+  // (the others come back as empty tensors). Recomputes one slice at a time, or reuses
+  // `cached` (from contract_program_cached; empty list: recompute).
+  m.def(
+      "contract_program_backward(Tensor[] operands, int[] program, int[] slice_table, Tensor grad_out, "
+      "int[] needs_grad, Tensor[] cached) -> Tensor[]");
+  // One slice, plus the GEMM operands that contract_program_backward can take (as `cached`)
+  // instead of recomputing the slice.
+  m.def(
+      "contract_program_cached(Tensor[] operands, int[] program, int[] slice_table, int[] needs_grad) "
+      "-> (Tensor, Tensor[])");
+}
+
+// ATen ops only, so one implementation serves every backend; autograd is ContractFunction's.
+TORCH_LIBRARY_IMPL(torch_gradops, CompositeExplicitAutograd, m) {
+  m.impl("contract_program", &torch_gradops::contract_program);
+  m.impl("contract_program_backward", &torch_gradops::contract_program_backward);
+  m.impl("contract_program_cached", &torch_gradops::contract_program_cached);
+}

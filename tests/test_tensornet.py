@@ -1,0 +1,761 @@
+"""Tests of torch_gradops.tensornet: values and gradients against torch.einsum, slicing,
+slice groups, double backward, forward AD, plan cache, validation, memory bound, dtypes,
+torch.compile and opcheck."""
+import math
+import random
+import string
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import opt_einsum
+from torch_gradops import tensornet as tn
+
+F64, C128 = torch.float64, torch.complex128
+
+
+def _rand(shape, dtype=F64, gen=None, requires_grad=False):
+    t = torch.randn(shape, dtype=dtype, generator=gen)
+    return t.requires_grad_(requires_grad)
+
+
+def _close(a, b, rtol=1e-9, atol=1e-9):
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol)
+
+
+def _check_against_einsum(expr, ops, **kw):
+    """Value and every operand's gradient (random output cotangent) vs torch.einsum."""
+    ops = [o.detach().clone().requires_grad_(o.dtype.is_floating_point or o.dtype.is_complex) for o in ops]
+    ref_ops = [o.detach().clone().requires_grad_(True) for o in ops]
+    out = tn.contract(expr, *ops, **kw)
+    ref = torch.einsum(expr, *ref_ops)
+    assert out.shape == ref.shape
+    _close(out, ref)
+    g = torch.randn(ref.shape, dtype=ref.dtype)
+    grads = torch.autograd.grad(out, ops, g)
+    ref_grads = torch.autograd.grad(ref, ref_ops, g)
+    for a, b in zip(grads, ref_grads):
+        _close(a, b)
+
+
+# ---------------------------------------------------------------------------- random family
+def _random_network(rng: random.Random, max_ops=5):
+    """Random expression with hyperedges, traces/diagonals, batch and singleton modes."""
+    n_ops = rng.randint(1, max_ops)
+    n_modes = rng.randint(1, 7)
+    labels = rng.sample(string.ascii_letters, n_modes)
+    extent = {m: rng.choice([1, 2, 3, 4]) for m in labels}
+    terms = []
+    for _ in range(n_ops):
+        rank = rng.randint(0, 4)
+        term = [rng.choice(labels) for _ in range(rank)]  # repeats give diagonals/traces
+        terms.append(term)
+    used = sorted({m for t in terms for m in t})
+    if rng.random() < 0.3:
+        expr = ",".join("".join(t) for t in terms)  # implicit output
+    else:
+        out = [m for m in used if rng.random() < 0.4]
+        rng.shuffle(out)
+        expr = ",".join("".join(t) for t in terms) + "->" + "".join(out)
+    shapes = [tuple(extent[m] for m in t) for t in terms]
+    return expr, shapes
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_random_expressions_match_einsum(seed):
+    rng = random.Random(seed)
+    expr, shapes = _random_network(rng)
+    gen = torch.Generator().manual_seed(seed)
+    ops = [_rand(s, gen=gen) for s in shapes]
+    _check_against_einsum(expr, ops)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_random_expressions_sliced_match_einsum(seed):
+    rng = random.Random(1000 + seed)
+    while True:
+        expr, shapes = _random_network(rng, max_ops=6)
+        if len(shapes) >= 2:
+            break
+    gen = torch.Generator().manual_seed(seed)
+    ops = [_rand(s, gen=gen) for s in shapes]
+    try:
+        p = tn.plan(expr, *ops, slicing={"min_slices": 4})
+    except ValueError as e:  # nothing sliceable (all extents 1 or too few shared modes)
+        assert "min_slices" in str(e)
+        p = tn.plan(expr, *ops, slicing={"min_slices": 2}) if "only 1 " not in str(e) else tn.plan(expr, *ops)
+    _check_against_einsum(expr, ops, plan=p)
+
+
+# ---------------------------------------------------------------------------- edge cases
+EDGE = [
+    ("ii->", [(4, 4)]),                       # trace
+    ("ii->i", [(4, 4)]),                      # diagonal
+    ("iij,jk->ik", [(3, 3, 4), (4, 2)]),      # diagonal feeding a contraction
+    ("iji->j", [(3, 2, 3)]),
+    ("ij,jk,jl->ikl", [(2, 3), (3, 4), (3, 5)]),   # hyperedge in 3 operands
+    ("bij,bjk->bik", [(3, 2, 4), (3, 4, 5)]),      # batch mode kept
+    ("ij,ij,ij->ij", [(2, 3), (2, 3), (2, 3)]),    # hyperedge kept in the output
+    ("ab,bc->", [(3, 4), (4, 5)]),                 # scalar output
+    ("abc->", [(2, 3, 4)]),
+    ("ab->ba", [(3, 4)]),                          # single operand permute
+    ("ab", [(3, 4)]),                              # implicit identity
+    ("a,b->ab", [(3,), (4,)]),                     # outer product
+    ("a,a->", [(5,), (5,)]),
+    (",->", [(), ()]),                             # scalars
+    ("i,->i", [(3,), ()]),
+    ("aib,bjc->aijc", [(1, 3, 1), (1, 4, 1)]),     # singleton modes
+    ("ab,bc,cd,da->", [(1, 2), (2, 1), (1, 3), (3, 1)]),
+    ("...ij,...jk->...ik", [(2, 3, 4), (2, 4, 5)]),  # broadcasting
+    ("...ij,...jk->...ik", [(2, 1, 3, 4), (5, 4, 2)]),
+    ("i...,i...->...", [(3, 2, 1), (3, 1, 4)]),
+    ("...,...->...", [(2, 3), (3,)]),
+    ("ij...,jk", [(2, 3, 5), (3, 4)]),             # implicit output with ellipsis
+    ("ab,cd->", [(2, 3), (4, 5)]),                 # disconnected network
+    ("abc,cba->b", [(2, 3, 4), (4, 3, 2)]),
+    ("a,b,c,a,b,c->", [(2,), (3,), (4,), (2,), (3,), (4,)]),
+    ("ij,jk", [(0, 3), (3, 4)]),                   # zero extent
+]
+
+
+@pytest.mark.parametrize("expr,shapes", EDGE, ids=[e for e, _ in EDGE])
+def test_edge_cases_match_einsum(expr, shapes):
+    gen = torch.Generator().manual_seed(1)
+    _check_against_einsum(expr, [_rand(s, gen=gen) for s in shapes])
+
+
+def test_complex_with_conj_bit_matches_einsum():
+    gen = torch.Generator().manual_seed(2)
+    a = _rand((3, 4), C128, gen)
+    b = _rand((4, 5), C128, gen)
+    c = _rand((5, 3), C128, gen)
+    ac = a.conj().requires_grad_(True)  # conj view, conj bit set
+    assert ac.is_conj()
+    b.requires_grad_(True)
+    c.requires_grad_(True)
+    ref_ops = [t.detach().clone().requires_grad_(True) for t in (a, b, c)]
+    for p in (None, tn.plan("ij,jk,ki->j", ac, b, c, slicing=["k", "i"])):
+        out = tn.contract("ij,jk,ki->j", ac, b, c, plan=p)
+        ref = torch.einsum("ij,jk,ki->j", ref_ops[0].conj(), ref_ops[1], ref_ops[2])
+        _close(out, ref)
+        loss, ref_loss = (out.abs() ** 2).sum(), (ref.abs() ** 2).sum()
+        g = torch.autograd.grad(loss, [ac, b, c])
+        gr = torch.autograd.grad(ref_loss, ref_ops)
+        # the grad w.r.t. the conj view is the conj of the grad w.r.t. its base
+        _close(g[0], gr[0].conj())
+        _close(g[1], gr[1])
+        _close(g[2], gr[2])
+
+
+def test_unicode_labels():
+    gen = torch.Generator().manual_seed(3)
+    a, b, c = _rand((2, 3), gen=gen), _rand((3, 4), gen=gen), _rand((4, 2), gen=gen)
+    out = tn.contract("αβ,βγ,γδ->αδ", a, b, c)
+    _close(out, torch.einsum("ab,bc,cd->ad", a, b, c))
+    # opt_einsum's symbols beyond the ASCII letters
+    labels = [opt_einsum.get_symbol(i) for i in (100, 200, 300)]
+    expr = f"{labels[0]}{labels[1]},{labels[1]}{labels[2]}"
+    _close(tn.contract(expr, a, b), torch.einsum("ab,bc->ac", a, b))
+    # implicit output sorts by code point: ω > α
+    _close(tn.contract("ωβ,βα", a, b), torch.einsum("ab,bc->ca", a, b))
+
+
+def test_interleaved_form_with_hashable_labels():
+    gen = torch.Generator().manual_seed(4)
+    a, b, c = _rand((2, 3), gen=gen), _rand((3, 4), gen=gen), _rand((4, 2, 3), gen=gen)
+    ref = torch.einsum(a, [0, 1], b, [1, 2], c, [2, 0, 3], [3, 0])
+    _close(tn.contract(a, [0, 1], b, [1, 2], c, [2, 0, 3], [3, 0]), ref)
+    labs = [("site", 0), "bond", frozenset({1}), 7.5]
+    out = tn.contract(a, [labs[0], labs[1]], b, [labs[1], labs[2]], c, [labs[2], labs[0], labs[3]], [labs[3], labs[0]])
+    _close(out, ref)
+    # implicit output in the interleaved form: sorted labels occurring once
+    _close(tn.contract(a, [0, 1], b, [1, 2]), torch.einsum(a, [0, 1], b, [1, 2]))
+    # Ellipsis in sublists
+    x, y = _rand((5, 2, 3), gen=gen), _rand((5, 3, 4), gen=gen)
+    _close(tn.contract(x, [..., 0, 1], y, [..., 1, 2], [..., 0, 2]), x @ y)
+    # gradients
+    ops = [t.clone().requires_grad_(True) for t in (a, b, c)]
+    out = tn.contract(ops[0], ["i", "j"], ops[1], ["j", "k"], ops[2], ["k", "i", "l"], ["l"])
+    g = torch.autograd.grad(out.sum(), ops)
+    ref_ops = [t.clone().requires_grad_(True) for t in (a, b, c)]
+    gr = torch.autograd.grad(torch.einsum("ij,jk,kil->l", *ref_ops).sum(), ref_ops)
+    for x1, x2 in zip(g, gr):
+        _close(x1, x2)
+
+
+def test_many_modes_beyond_52():
+    # a 60-site ring: more modes than torch.einsum's 52 letters
+    n = 60
+    gen = torch.Generator().manual_seed(5)
+    ops, args = [], []
+    for i in range(n):
+        t = _rand((2, 2), gen=gen) / 1.5
+        ops.append(t)
+        args += [t, [i, (i + 1) % n]]
+    out = tn.contract(*args, [])
+    ref = ops[0]
+    for t in ops[1:]:
+        ref = ref @ t
+    _close(out, torch.trace(ref))
+
+
+# ---------------------------------------------------------------------------- slicing
+def _ladder(gen, dtype=F64, n=4, chi=3):
+    """A 2 x n ladder (PEPS-like) network: modes shared by neighbours."""
+    L = string.ascii_letters  # torch.einsum (the reference) accepts only these
+    h, v, g = (lambda i: L[i]), (lambda i: L[n + 1 + i]), (lambda i: L[2 * n + 1 + i])
+    terms, ops = [], []
+    # top row t_i(h_i, v_i, h_{i+1}); bottom row b_i(g_i, v_i, g_{i+1})
+    for i in range(n):
+        terms.append(h(i) + v(i) + h(i + 1))
+        ops.append(_rand((chi, 2, chi), dtype, gen))
+        terms.append(g(i) + v(i) + g(i + 1))
+        ops.append(_rand((chi, 2, chi), dtype, gen))
+    expr = ",".join(terms) + "->" + h(0) + h(n) + g(0) + g(n)
+    return expr, ops
+
+
+def test_sliced_equals_unsliced_and_groups_sum_to_whole():
+    gen = torch.Generator().manual_seed(6)
+    expr, ops = _ladder(gen)
+    full = tn.contract(expr, *ops)
+    _close(full, torch.einsum(expr, *ops))
+    p = tn.plan(expr, *ops, slicing={"min_slices": 9})
+    assert p.num_slices >= 9 and p.sliced_modes
+    _close(p.contract(*ops), full)
+    # slice groups: disjoint groups add up to the whole
+    ids = list(range(p.num_slices))
+    groups = [ids[0::3], range(1, p.num_slices, 3), ids[2::3]]
+    parts = [p.contract(*ops, slices=g) for g in groups]
+    _close(sum(parts), full)
+    # a single slice equals the contraction with the sliced modes fixed
+    s = p.num_slices - 1
+    idx = p.slice_indices(s)
+    one = p.contract(*ops, slices=[s])
+    assert one.shape == full.shape
+    # empty group: zeros
+    _close(p.contract(*ops, slices=[]), torch.zeros_like(full))
+    # out= and accumulate=
+    buf = torch.zeros_like(full)
+    for g in groups:
+        p.contract(*ops, slices=g, out=buf, accumulate=True)
+    _close(buf, full)
+    p.contract(*ops, slices=groups[0], out=buf)
+    _close(buf, parts[0])
+    assert len(idx) == len(p.sliced_modes)
+
+
+def test_sliced_output_mode_gives_blocks():
+    gen = torch.Generator().manual_seed(7)
+    a, b = _rand((4, 5), gen=gen), _rand((5, 6), gen=gen)
+    p = tn.plan("ij,jk->ik", a, b, slicing=["i", "j"])
+    assert p.sliced_modes == ("i", "j") and p.num_slices == 20
+    full = a @ b
+    _close(p.contract(a, b), full)
+    # the slices with i = 2 give exactly row 2 (blocks), the rest stays zero
+    ids = [s for s in range(p.num_slices) if p.slice_indices(s)[0] == 2]
+    part = p.contract(a, b, slices=ids)
+    expect = torch.zeros_like(full)
+    expect[2] = full[2]
+    _close(part, expect)
+    # gradients of a block group
+    a2, b2 = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    ga, gb = torch.autograd.grad(p.contract(a2, b2, slices=ids).sum(), [a2, b2])
+    a3, b3 = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    ra, rb = torch.autograd.grad((a3 @ b3)[2].sum(), [a3, b3])
+    _close(ga, ra)
+    _close(gb, rb)
+
+
+def test_memory_limit_slices_and_errors():
+    gen = torch.Generator().manual_seed(8)
+    expr, ops = _ladder(gen, n=5, chi=4)
+    p0 = tn.plan(expr, *ops)
+    limit = p0.largest_intermediate[1] // 8
+    p = tn.plan(expr, *ops, memory_limit=limit)
+    assert p.num_slices > 1
+    assert p.largest_intermediate[1] <= limit
+    _close(p.contract(*ops), p0.contract(*ops))
+    assert "num_slices" in repr(p) and "largest_intermediate" in repr(p)
+    # string forms
+    assert tn.parse_memory_limit("2GiB") == 2 * 2**30
+    assert tn.parse_memory_limit("1.5 kB") == 1500
+    assert tn.parse_memory_limit(1024) == 1024
+    assert 0 < tn.parse_memory_limit("50%") < tn.parse_memory_limit("100%")
+    # even slicing every mode cannot fit 1 byte... well, 8 bytes per element: error
+    with pytest.raises(ValueError, match="memory_limit cannot be met"):
+        tn.plan("ab,bc->ac", (64, 64), (64, 64), memory_limit=4, dtype=torch.float64)
+    for bad in ("lots", "-3GB", "150%", "0"):
+        with pytest.raises(ValueError, match="memory_limit"):
+            tn.plan(expr, *ops, memory_limit=bad)
+    with pytest.raises(TypeError, match="memory_limit"):
+        tn.plan(expr, *ops, memory_limit=[1])
+
+
+def test_forced_slicing_and_optimizers():
+    gen = torch.Generator().manual_seed(9)
+    expr, ops = _ladder(gen)
+    ref = torch.einsum(expr, *ops)
+    for opt in ("greedy", "optimal", "auto", "branch-2", "cotengra"):
+        if opt == "optimal":
+            a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)
+            _close(tn.contract("ab,bc,cd->ad", a, b, c, optimize=opt), a @ b @ c)
+            continue
+        _close(tn.contract(expr, *ops, optimize=opt), ref)
+    pytest.importorskip("cotengra")
+    p = tn.plan(expr, *ops, optimize="cotengra", memory_limit=tn.plan(expr, *ops).largest_intermediate[1] // 4)
+    assert p.optimizer == "cotengra" and p.num_slices > 1
+    _close(p.contract(*ops), ref)
+    # explicit path, including a k-ary step that is split into pairs
+    a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)
+    _close(tn.contract("ab,bc,cd->ad", a, b, c, optimize=[(1, 2), (0, 1)]), a @ b @ c)
+    _close(tn.contract("ab,bc,cd->ad", a, b, c, optimize=[(0, 1, 2)]), a @ b @ c)
+    p = tn.plan("ab,bc,cd->ad", a, b, c, optimize=[(0, 2), (0, 1)])
+    assert p.path == [(0, 2), (0, 1)]
+    # forced modes, and min_slices on top of them
+    p = tn.plan("ab,bc,cd->ad", a, b, c, slicing=["c"])
+    assert p.sliced_modes == ("c",) and p.num_slices == 5
+    p = tn.plan("ab,bc,cd->ad", a, b, c, slicing={"modes": ["c"], "min_slices": 20})
+    assert p.sliced_modes[0] == "c" and p.num_slices >= 20
+    _close(p.contract(a, b, c), a @ b @ c)
+
+
+# ---------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("dtype", [F64, C128])
+@pytest.mark.parametrize("sliced", [False, True])
+def test_gradcheck_and_gradgradcheck(dtype, sliced):
+    gen = torch.Generator().manual_seed(10)
+    expr = "abc,cd,bde->ae"
+    ops = [_rand(s, dtype, gen, requires_grad=True) for s in [(2, 3, 2), (2, 3), (3, 3, 2)]]
+    p = tn.plan(expr, *ops, slicing={"min_slices": 4} if sliced else None)
+    assert (p.num_slices > 1) == sliced
+    fn = lambda *x: p.contract(*x)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, ops)
+    assert torch.autograd.gradgradcheck(fn, ops)
+
+
+def test_gradgradcheck_trace_hyperedge_and_sliced_output():
+    gen = torch.Generator().manual_seed(11)
+    x = _rand((3, 3, 2), gen=gen, requires_grad=True)
+    y = _rand((2, 4), gen=gen, requires_grad=True)
+    z = _rand((2, 4), gen=gen, requires_grad=True)
+    expr = "iij,jk,jk->jk"
+    p = tn.plan(expr, x, y, z, slicing=["j", "k"])
+    assert torch.autograd.gradcheck(lambda *a: p.contract(*a), (x, y, z))
+    assert torch.autograd.gradgradcheck(lambda *a: p.contract(*a), (x, y, z))
+    # a mode that occurs only in one operand (summed): its gradient broadcasts
+    w = _rand((3, 5), gen=gen, requires_grad=True)
+    assert torch.autograd.gradgradcheck(lambda w, y: tn.contract("ia,ak->k", w[:, :2], y), (w, y))
+    assert torch.autograd.gradgradcheck(lambda w, y: tn.contract("im,jk->jk", w, y), (w, y))
+
+
+@pytest.mark.parametrize("dtype", [F64, C128])
+def test_forward_ad(dtype):
+    gen = torch.Generator().manual_seed(12)
+    expr = "ab,bc,cd->ad"
+    ops = [_rand(s, dtype, gen) for s in [(2, 3), (3, 4), (4, 2)]]
+    tans = [_rand(o.shape, dtype, gen) for o in ops]
+    p = tn.plan(expr, *ops, slicing=["b", "c"])
+    for plan in (None, p):
+        out, jv = torch.func.jvp(lambda *x: tn.contract(expr, *x, plan=plan), tuple(ops), tuple(tans))
+        ref, rjv = torch.func.jvp(lambda *x: torch.einsum(expr, *x), tuple(ops), tuple(tans))
+        _close(out, ref)
+        _close(jv, rjv)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        duals = [fwAD.make_dual(o, t) if i != 1 else o for i, (o, t) in enumerate(zip(ops, tans))]
+        out = tn.contract(expr, *duals, plan=p)
+        jv = fwAD.unpack_dual(out).tangent
+    ref_jv = torch.einsum(expr, tans[0], ops[1], ops[2]) + torch.einsum(expr, ops[0], ops[1], tans[2])
+    _close(jv, ref_jv)
+    assert torch.autograd.gradcheck(lambda *x: p.contract(*x), [o.requires_grad_() for o in ops],
+                                    check_forward_ad=True, check_backward_ad=False, check_undefined_grad=False)
+
+
+@pytest.mark.parametrize("slicing", [None, ["j"]])
+def test_retain_graph_and_second_backward(slicing):
+    # unsliced: the first backward uses the forward's cached step results, the second recomputes
+    gen = torch.Generator().manual_seed(13)
+    a, b = _rand((3, 4), gen=gen, requires_grad=True), _rand((4, 5), gen=gen, requires_grad=True)
+    c = _rand((5, 2), gen=gen, requires_grad=True)
+    out = tn.contract("ij,jk,kl->il", a, b, c, slicing=slicing).sum()
+    g1 = torch.autograd.grad(out, [a, b, c], retain_graph=True)
+    g2 = torch.autograd.grad(out, [a, b, c])
+    ref = torch.autograd.grad((a @ b @ c).sum(), [a, b, c])
+    for x, y, z in zip(g1, g2, ref):
+        _close(x, z)
+        _close(y, z)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(out, a)
+
+
+def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
+    gen = torch.Generator().manual_seed(14)
+    a = _rand((3, 4), gen=gen, requires_grad=True)
+    b = _rand((4, 5), gen=gen, requires_grad=True)
+    c = _rand((5, 2), gen=gen)  # does not require grad
+    d = _rand((7,), gen=gen, requires_grad=True)  # not part of the output
+    calls, cached_lens = [], []
+    real = tn.ops
+
+    class Spy:
+        def __getattr__(self, name):
+            op = getattr(real, name)
+
+            def wrapped(*args):
+                calls.append((name, args[4] if name == "contract_program_backward" else None))
+                if name == "contract_program_backward":
+                    cached_lens.append(len(args[5]))
+                return op(*args)
+            return wrapped
+
+    monkeypatch.setattr(tn, "ops", Spy())
+    a1, b1 = a * 1, b * 1  # non-leaf operands: the engine tells which branches run
+    out = tn.contract("ab,bc,cd->ad", a1, b1, c)
+    ga, gd = torch.autograd.grad(out.sum(), [a, d], allow_unused=True)
+    assert gd is None
+    _close(ga, torch.autograd.grad((a @ b.detach() @ c).sum(), a)[0])
+    bw = [n for name, n in calls if name == "contract_program_backward"]
+    assert bw == [[1, 0, 0]]  # only a's gradient is computed: b's branch is not needed, c needs none
+    calls.clear()
+    out = tn.contract("ab,bc,cd->ad", a, b, c)  # leaves
+    gb, = torch.autograd.grad(out.sum(), [b])
+    _close(gb, torch.autograd.grad((a.detach() @ b @ c).sum(), b)[0])
+    assert [n for name, n in calls if name == "contract_program_backward"][0][2] == 0  # c: no work
+    # unsliced: the forward kept its step result (ab or bc) and the backward reused it
+    assert "contract_program_cached" in [name for name, _ in calls] and cached_lens[-1] == 4
+
+
+def test_plan_gradients_low_level():
+    gen = torch.Generator().manual_seed(15)
+    expr = "iab,bc,ca->i"
+    ops = [_rand((2, 3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 3), gen=gen)]
+    p = tn.plan(expr, *ops, slicing={"min_slices": 6})
+    g = _rand((2,), gen=gen)
+    grads = p.gradients(*ops, output_grad=g)
+    ref_ops = [o.clone().requires_grad_(True) for o in ops]
+    ref = torch.autograd.grad(torch.einsum(expr, *ref_ops), ref_ops, g)
+    for x, y in zip(grads, ref):
+        _close(x, y)
+    # slice groups accumulate into caller buffers; skipped operands stay None
+    bufs = [torch.zeros_like(ops[0]), None, torch.zeros_like(ops[2])]
+    half = p.num_slices // 2
+    p.gradients(*ops, output_grad=g, slices=range(half), grads=bufs)
+    out = p.gradients(*ops, output_grad=g, slices=range(half, p.num_slices), grads=bufs, accumulate=True)
+    assert out[1] is None and out[0] is bufs[0]
+    _close(bufs[0], ref[0])
+    _close(bufs[2], ref[2])
+    # diagonal operand: the gradient is scattered back onto the diagonal
+    x = _rand((3, 3), gen=gen)
+    gx, = tn.plan("ii->i", x).gradients(x, output_grad=torch.ones(3, dtype=F64))
+    _close(gx, torch.eye(3, dtype=F64))
+    with pytest.raises(ValueError, match="output_grad has shape"):
+        p.gradients(*ops, output_grad=torch.ones(3, dtype=F64))
+    with pytest.raises(ValueError, match="grads must have one entry per operand"):
+        p.gradients(*ops, output_grad=g, grads=[None])
+
+
+# ---------------------------------------------------------------------------- memory
+def _peak_bytes(fn):
+    """Peak of live CPU allocator bytes while ``fn`` runs (torch profiler memory events)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak
+
+
+def test_sliced_backward_peak_memory_is_bounded():
+    """forward+backward of a sliced network stays within a few times the slice budget plus
+    operands and gradients, while autograd through the same slices (what cotengra + autograd
+    does) holds every slice's intermediates until backward."""
+    gen = torch.Generator().manual_seed(16)
+    n, k = 48, 6
+    expr = "ax,bx,cx,ay,by,cy->"
+    ops = [_rand((n, k), gen=gen, requires_grad=True) for _ in range(6)]
+    path = [(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)]
+    limit = 8 * n * n  # one n x n float64 matrix
+    p = tn.plan(expr, *ops, optimize=path, memory_limit=limit)
+    unsliced = tn.plan(expr, *ops, optimize=path)
+    assert p.num_slices >= 16 and unsliced.largest_intermediate[1] >= 16 * limit
+    operand_bytes = sum(o.numel() * 8 for o in ops)
+
+    def ours(plan):
+        def run():
+            plan.contract(*ops).backward()
+        return run
+
+    def per_slice_autograd():
+        total = 0
+        for s in range(p.num_slices):
+            idx = dict(zip(p.sliced_modes, p.slice_indices(s)))
+            sl = []
+            for term, o in zip(expr.split("->")[0].split(","), ops):
+                t = o
+                for d in reversed(range(len(term))):
+                    if term[d] in idx:
+                        t = t.select(d, idx[term[d]])
+                sl.append(t)
+            sub = ",".join("".join(c for c in term if c not in idx) for term in expr.split("->")[0].split(","))
+            # same pairwise path per slice, autograd through it (as cotengra + autograd)
+            total = total + opt_einsum.contract(sub + "->", *sl, optimize=path, backend="torch")
+        total.backward()
+
+    ours(p)()  # warm up (allocator, thread pools)
+    peak_sliced = _peak_bytes(ours(p))
+    peak_unsliced = _peak_bytes(ours(unsliced))
+    peak_naive = _peak_bytes(per_slice_autograd)
+    bound = 4 * limit + 2 * operand_bytes + 64 * 1024
+    assert peak_sliced <= bound, (peak_sliced, bound)
+    assert peak_sliced <= 2 * p.slice_working_set + 2 * operand_bytes + 64 * 1024
+    assert peak_unsliced > 4 * peak_sliced
+    assert peak_naive > 4 * peak_sliced, (peak_naive, peak_sliced)
+
+
+# ---------------------------------------------------------------------------- plan cache
+def test_plan_cache_hits_do_no_path_search():
+    tn.clear_plan_cache()
+    gen = torch.Generator().manual_seed(17)
+    a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 6), gen=gen)
+    tn.contract("ab,bc,cd->ad", a, b, c)
+    searches = tn.plan_cache_info()["path_searches"]
+    assert searches == 1
+    for _ in range(5):
+        tn.contract("ab,bc,cd->ad", a + 1, b, c)
+        tn.contract(a, [0, 1], b, [1, 2], c, [2, 3], [0, 3])
+    info = tn.plan_cache_info()
+    assert info["path_searches"] == 2  # one more: the interleaved form
+    assert info["hits"] >= 9
+    p = tn.plan("ab,bc,cd->ad", a, b, c)
+    assert p is tn.plan("ab,bc,cd->ad", (3, 4), (4, 5), (5, 6), dtype=F64)
+    assert tn.plan_cache_info()["path_searches"] == 2
+    # different shapes, dtype or options: a new plan
+    tn.contract("ab,bc,cd->ad", a.float(), b.float(), c.float())
+    tn.contract("ab,bc,cd->ad", a, b, c, slicing=["b"])
+    assert tn.plan_cache_info()["path_searches"] == 4
+
+
+# ---------------------------------------------------------------------------- validation
+def test_validation_errors():
+    a, b = torch.randn(2, 3), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="2 operand term.*3 operand"):
+        tn.contract("ab,bc->ad", a, b, b)
+    with pytest.raises(ValueError, match="operand 1 has 2 dimension"):
+        tn.contract("ab,bcd->ad", a, b)
+    with pytest.raises(ValueError, match="mode 'b' has extent 4 in operand 1 but extent 3"):
+        tn.contract("ab,cb->ac", a, b)
+    with pytest.raises(ValueError, match="more than one '->'"):
+        tn.contract("ab,bc->ac->a", a, b)
+    with pytest.raises(ValueError, match="output mode 'z' does not appear"):
+        tn.contract("ab,bc->az", a, b)
+    with pytest.raises(ValueError, match="repeats a mode"):
+        tn.contract("ab,bc->aa", a, b)
+    with pytest.raises(ValueError, match="'.' must be part of '...'"):
+        tn.contract("a.b,bc->ac", a, b)
+    with pytest.raises(ValueError, match="more than one '...'"):
+        tn.contract("...a...,bc->", a, b)
+    with pytest.raises(ValueError, match="'-' or '>'"):
+        tn.contract("ab,bc-ac", a, b)
+    with pytest.raises(TypeError, match="operand 1 must be a torch.Tensor"):
+        tn.contract("ab,bc->ac", a, [[1.0]])
+    with pytest.raises(ValueError, match="do not broadcast"):
+        tn.contract("...a,...a->", torch.randn(2, 3), torch.randn(4, 3))
+    with pytest.raises(ValueError, match="operand 1 is on meta"):
+        tn.contract("ab,bc->ac", a, b.to("meta"))
+    with pytest.raises(TypeError, match="modes of operand 0"):
+        tn.contract(a, "ab", b, [1, 2])
+    with pytest.raises(TypeError, match="not hashable"):
+        tn.contract(a, [[0], 1], b, [1, 2])
+    with pytest.raises(ValueError, match="optimize must be"):
+        tn.contract("ab,bc->ac", a, b, optimize="fastest-ever")
+    with pytest.raises(ValueError, match="explicit path step"):
+        tn.contract("ab,bc->ac", a, b, optimize=[(0, 5)])
+    with pytest.raises(ValueError, match="explicit path leaves 2"):
+        tn.contract("ab,bc,cd->ad", a, b, torch.randn(4, 2), optimize=[(0, 1)])
+    with pytest.raises(ValueError, match="slicing: mode 'q' is not a mode"):
+        tn.contract("ab,bc->ac", a, b, slicing=["q"])
+    with pytest.raises(ValueError, match="only one operand"):
+        tn.contract("ab,bc->c", a, b, slicing=["a"])
+    with pytest.raises(ValueError, match="min_slices"):
+        tn.contract("ab,bc->ac", a, b, slicing={"min_slices": 0})
+    with pytest.raises(ValueError, match="cannot reach min_slices"):
+        tn.contract("ab,bc->ac", a, b, slicing={"min_slices": 10**6})
+    p = tn.plan("ab,bc->ac", a, b, slicing=["b"])
+    with pytest.raises(ValueError, match="slice id 3 is out of range"):
+        p.contract(a, b, slices=[3])
+    with pytest.raises(ValueError, match="operand 0 has shape"):
+        p.contract(b, b)
+    with pytest.raises(ValueError, match="plan is for 2 operand"):
+        p.contract(a)
+    with pytest.raises(ValueError, match="out has shape"):
+        p.contract(a, b, out=torch.empty(3))
+    with pytest.raises(TypeError, match="shape"):
+        tn.plan("ab,bc->ac", (2, 3), "x")
+    with pytest.raises(ValueError, match="at least one operand"):
+        tn.contract("")
+
+
+# ---------------------------------------------------------------------------- dtypes
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.float16, 2e-2), (torch.bfloat16, 1e-1),
+                                       (torch.complex64, 1e-4)])
+def test_low_precision_dtypes(dtype, tol):
+    gen = torch.Generator().manual_seed(18)
+    expr = "abc,cd,bde->ae"
+    wide = C128 if dtype.is_complex else F64
+    ops64 = [_rand(s, wide, gen) for s in [(3, 4, 5), (5, 6), (4, 6, 3)]]
+    ops = [o.to(dtype).requires_grad_(True) for o in ops64]
+    p = tn.plan(expr, *ops, slicing={"min_slices": 4})
+    out = p.contract(*ops)
+    assert out.dtype == dtype
+    ref64 = [o.to(dtype).to(wide).requires_grad_(True) for o in ops64]  # same rounded inputs
+    ref = torch.einsum(expr, *ref64)
+    scale = ref.abs().max().item()
+    torch.testing.assert_close(out.to(wide), ref, rtol=tol, atol=tol * scale)
+    g = torch.ones_like(ref)
+    grads = torch.autograd.grad(out, ops, g.to(dtype))
+    rgrads = torch.autograd.grad(ref, ref64, g)
+    for x, y in zip(grads, rgrads):
+        assert x.dtype == dtype
+        torch.testing.assert_close(x.to(wide), y, rtol=tol, atol=tol * y.abs().max().item())
+
+
+def test_mixed_dtypes_promote():
+    a, b = torch.randn(2, 3), torch.randn(3, 4, dtype=F64)
+    out = tn.contract("ab,bc->ac", a, b)
+    assert out.dtype == F64
+    _close(out, a.double() @ b)
+
+
+# ---------------------------------------------------------------------------- large networks
+def test_mps_chain_1000_operands():
+    n, d, chi = 1000, 2, 4
+    gen = torch.Generator().manual_seed(19)
+    sym = opt_einsum.get_symbol
+    terms, ops = [], []
+    for i in range(n):
+        # normalised site tensors keep the product O(1)
+        t = torch.linalg.qr(torch.randn(chi * d, chi, dtype=F64, generator=gen))[0].reshape(chi, d, chi)
+        ops.append(t)
+        terms.append(sym(2 * i) + sym(2 * i + 1) + sym(2 * i + 2))
+    expr = ",".join(terms) + "->" + sym(0) + sym(2 * n)
+    ops = [o.requires_grad_(True) for o in ops]
+    p = tn.plan(expr, *ops)
+    assert len(p.path) == n - 1
+    out = p.contract(*ops)
+    # reference: sequential matrix products of the physical-summed sites
+    ref = torch.eye(chi, dtype=F64)
+    for t in ops:
+        ref = ref @ t.detach().sum(1)
+    _close(out, ref)
+    g = torch.autograd.grad(out.sum(), ops[::250])
+    assert all(x.shape == (chi, d, chi) and torch.isfinite(x).all() for x in g)
+    # check one gradient numerically against the chain rule: d out / d A_k
+    k = 250
+    left = torch.eye(chi, dtype=F64)
+    for t in ops[:k]:
+        left = left @ t.detach().sum(1)
+    right = torch.eye(chi, dtype=F64)
+    for t in ops[k + 1:]:
+        right = right @ t.detach().sum(1)
+    expect = (left.sum(0)[:, None] * right.sum(1)[None, :])[:, None, :].expand(chi, d, chi)
+    _close(g[1], expect)
+
+
+# ---------------------------------------------------------------------------- compile / opcheck
+def test_opcheck():
+    gen = torch.Generator().manual_seed(20)
+    a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)
+    for slicing in (None, ["b", "a"]):
+        p = tn.plan("ab,bc,cd->ad", a, b, c, slicing=slicing)
+        prog, table = list(p._compiled.program), list(p._table(None))
+        torch.library.opcheck(torch.ops.torch_gradops.contract_program.default, ([a, b, c], prog, table))
+        torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
+                              ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 0, 1], []))
+        if p.num_slices == 1:
+            out, cache = torch.ops.torch_gradops.contract_program_cached([a, b, c], prog, table, [1, 1, 1])
+            torch.library.opcheck(torch.ops.torch_gradops.contract_program_cached.default,
+                                  ([a, b, c], prog, table, [1, 0, 1]))
+            torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
+                                  ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 1, 1], cache))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    gen = torch.Generator().manual_seed(21)
+    a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)
+
+    def fn(a, b, c):
+        return tn.contract("ab,bc,cd->ad", a, b, c, slicing=["c"]).sin()
+
+    eager = fn(a, b, c)  # plans outside the compiled region (planning is host-side Python)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    _close(compiled(a, b, c), eager)
+    ops = [t.clone().requires_grad_(True) for t in (a, b, c)]
+    g = torch.autograd.grad(compiled(*ops).sum(), ops)
+    ops2 = [t.clone().requires_grad_(True) for t in (a, b, c)]
+    gr = torch.autograd.grad(fn(*ops2).sum(), ops2)
+    for x, y in zip(g, gr):
+        _close(x, y)
+
+
+def test_progress_bar(capsys):
+    gen = torch.Generator().manual_seed(22)
+    a, b = _rand((3, 4), gen=gen, requires_grad=True), _rand((4, 5), gen=gen)
+    out = tn.contract("ab,bc->ac", a, b, slicing=["b"], progress=True)
+    _close(out, a @ b)
+    assert "slice" in capsys.readouterr().err
+    g, = torch.autograd.grad(out.sum(), a)
+    _close(g, torch.ones(3, 5, dtype=F64) @ b.T)
+
+
+# ---------------------------------------------------------------------------- CUDA
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_matches_cpu():
+    gen = torch.Generator().manual_seed(23)
+    expr, ops = _ladder(gen, dtype=C128)
+    p = tn.plan(expr, *ops, slicing={"min_slices": 9})
+    cpu = [o.clone().requires_grad_(True) for o in ops]
+    gpu = [o.cuda().requires_grad_(True) for o in ops]
+    out_c = p.contract(*cpu)
+    pg = tn.plan(expr, *gpu, slicing={"min_slices": 9})
+    out_g = pg.contract(*gpu)
+    _close(out_g.cpu(), out_c)
+    gc = torch.autograd.grad(out_c.abs().sum(), cpu)
+    gg = torch.autograd.grad(out_g.abs().sum(), gpu)
+    for x, y in zip(gc, gg):
+        _close(y.cpu(), x)
+
+
+@pytest.mark.parametrize("expr", ["ji,jk->ik", "ij,kj->ik", "ji,kj->ik", "bji,bkj->bik", "jbi,kbj->bki"])
+def test_transposed_gemm_layouts(expr):
+    """The planner feeds bmm transposed views instead of copies; values, gradients and double
+    gradients must not care which layout was picked."""
+    gen = torch.Generator().manual_seed(24)
+    size = {"i": 2, "j": 3, "k": 4, "b": 2}
+    terms = expr.split("->")[0].split(",")
+    ops = [_rand(tuple(size[c] for c in t), C128, gen, requires_grad=True) for t in terms]
+    p = tn.plan(expr, *ops)
+    prog = p._compiled.program
+    i = 4 + prog[3] + 1
+    while prog[i] != 3:  # skip to the CONTRACT
+        i += 4 if prog[i] == 1 else 3 + prog[i + 2]
+    ra = prog[i + 4]
+    rb = prog[i + 5 + ra]
+    ta, tb = prog[i + 6 + ra + rb], prog[i + 7 + ra + rb]
+    expect = {"ji,jk->ik": (1, 0), "ij,kj->ik": (0, 1), "ji,kj->ik": (1, 1)}.get(expr)
+    if expect is not None:
+        assert (ta, tb) == expect
+    _check_against_einsum(expr, [o.detach() for o in ops])
+    assert torch.autograd.gradgradcheck(lambda *x: p.contract(*x), ops)
+    if expr == "ji,kj->ik":
+        prog_l, a, b = list(prog), ops[0].detach(), ops[1].detach()
+        torch.library.opcheck(torch.ops.torch_gradops.contract_program_cached.default, ([a, b], prog_l, [], [1, 1]))
+        _, cache = torch.ops.torch_gradops.contract_program_cached([a, b], prog_l, [], [1, 1])
+        torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
+                              ([a, b], prog_l, [], _rand((2, 4), C128, gen), [1, 1], cache))
