@@ -1079,15 +1079,29 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
 
 
 def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=None,
-             plan: Optional[ContractionPlan] = None, progress: bool = False) -> torch.Tensor:
+             plan: Optional[ContractionPlan] = None, progress: bool = False, process_group=None) -> torch.Tensor:
     """Contract a tensor network, differentiably (see the module docstring).
 
     ``contract("ab,bc->ac", a, b)`` or ``contract(a, [0, 1], b, [1, 2], [0, 2])``. Options as
     in :func:`plan`; ``slices``: a slice group (None = all slices; a range or list of slice
     ids: their partial sum, or their output blocks for sliced output modes); ``plan``: use this
-    plan instead of looking one up; ``progress``: a tqdm bar over slices.
+    plan instead of looking one up; ``progress``: a tqdm bar over slices; ``process_group``: a
+    ``torch.distributed`` group whose ranks share the slices (see
+    :func:`torch_gradops.distributed.contract`; every rank gets the full result).
     Returns a tensor with one dimension per output mode.
     """
+    plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan)
+    if process_group is not None:
+        if slices is not None:
+            raise ValueError("slices and process_group cannot be combined: the group splits the slices")
+        from .distributed import contract_plan
+        return contract_plan(plan, operands, process_group, progress=progress)
+    return plan.contract(*operands, slices=slices, progress=progress)
+
+
+def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optional[ContractionPlan] = None):
+    """``(plan, operands)`` for :func:`contract`'s arguments: the plan (cached) and the operand
+    tensors, from an einsum string and operands or from the interleaved form."""
     if not args:
         raise TypeError("contract() needs an expression and operands")
     if isinstance(args[0], str):
@@ -1120,7 +1134,7 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
                              memory_limit, optimize, slicing, True)
     if not isinstance(plan, ContractionPlan):
         raise TypeError(f"plan must be a ContractionPlan, got {type(plan).__name__}")
-    return plan.contract(*operands, slices=slices, progress=progress)
+    return plan, operands
 
 
 # ---------------------------------------------------------------------------- autograd
