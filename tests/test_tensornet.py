@@ -1,7 +1,6 @@
 """Tests of torch_gradops.tensornet: values and gradients against torch.einsum, slicing,
 slice groups, double backward, forward AD, plan cache, validation, memory bound, dtypes,
 torch.compile and opcheck."""
-import math
 import random
 import string
 

@@ -8,14 +8,13 @@ validation accuracy, the paper's model selection), the time per epoch and the pe
 """
 from __future__ import annotations
 
-import ctypes
-import gc
-import os
 import time
 from typing import Dict
 
 import torch
 import torch.nn.functional as F
+
+from ._memory import PeakMemory
 
 ACC_RANGE = (0.79, 0.84)  # the usual GAT-on-Cora test accuracy
 
@@ -37,59 +36,6 @@ class CoraGAT(torch.nn.Module):
         return self.conv2(x, edge_index)
 
 
-# ------------------------------------------------------------------------------ memory
-def _proc_status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _cpu_peak_reset() -> bool:
-    """Release freed heap memory to the OS and reset the RSS high-water mark (Linux)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
-
-
-class _PeakMemory:
-    """Peak memory over a region: CUDA ``max_memory_allocated`` minus what was allocated at
-    the start (tensor memory only); on CPU the growth of the process's resident set size
-    (``VmHWM`` after a reset minus ``VmRSS`` at the start): everything the process touched,
-    tensors, allocator slack and Python objects included, so an approximation."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak_bytes = None
-
-    def __enter__(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            self.base = torch.cuda.memory_allocated(self.device)
-        else:
-            self.ok = os.path.exists("/proc/self/status") and _cpu_peak_reset()
-            self.base = _proc_status_kb("VmRSS") * 1024 if self.ok else 0
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device) - self.base
-        elif self.ok:
-            self.peak_bytes = _proc_status_kb("VmHWM") * 1024 - self.base
-        return False
-
-
 # ------------------------------------------------------------------------------ training
 def train_cora(conv_cls, data, device: torch.device, epochs: int = 200, seed: int = 0,
                progress: bool = False, desc: str = "") -> Dict[str, float]:
@@ -98,7 +44,7 @@ def train_cora(conv_cls, data, device: torch.device, epochs: int = 200, seed: in
     Returns:
         ``{"test_acc": test accuracy at the best validation accuracy, "best_val_acc",
         "final_test_acc", "epoch_s": mean wall time of one epoch (training step + evaluation),
-        "peak_bytes": see _PeakMemory (None if unavailable)}``.
+        "peak_bytes": see torch_gradops._memory.PeakMemory (None if unavailable)}``.
     """
     from tqdm.auto import tqdm
 
@@ -111,7 +57,7 @@ def train_cora(conv_cls, data, device: torch.device, epochs: int = 200, seed: in
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    with _PeakMemory(device) as mem:
+    with PeakMemory(device) as mem:
         sync()
         t0 = time.perf_counter()
         bar = tqdm(range(epochs), desc=desc, disable=not progress, leave=True)

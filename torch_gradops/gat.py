@@ -184,7 +184,6 @@ class GATAttentionFunction(_GATAttentionFirstOrder):
         acc = _acc_dtype(x_src.dtype)
         src = indices.long()
         dst = _csc_dst(indptr, indices.numel())
-        num_dst = a_dst.size(0)
         z = a_src.index_select(0, src).to(acc) + a_dst.index_select(0, dst).to(acc)
         if el is not None:
             z = z + el.to(acc)

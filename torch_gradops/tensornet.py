@@ -24,7 +24,7 @@ import os
 import re
 import threading
 from collections import OrderedDict
-from typing import Any, Dict, Hashable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import opt_einsum
 import torch
@@ -581,7 +581,6 @@ class ContractionPlan:
         for j in others:
             present.update(eff_in[j])
         target = [m for m in eff_in[i] if m in present]
-        args = []
         shapes = [tuple(self._ids[m] for m in eff_out)] + [tuple(self._ids[m] for m in eff_in[j]) for j in others]
         terms = [list(eff_out)] + [list(eff_in[j]) for j in others]
         key = ("grad-network", id(self), i)
