@@ -12,6 +12,11 @@ import time
 
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from torch_gradops._memory import PeakMemory  # noqa: E402  (the one peak-memory measurement)
+
+__all__ = ["PeakMemory", "machine_info", "median_time", "run_worker", "write_json", "fmt_bytes"]
+
 
 def machine_info(device: str) -> dict:
     cpu = platform.processor()
@@ -23,7 +28,8 @@ def machine_info(device: str) -> dict:
     info = {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": device}
+            "device": device, "platform": platform.platform(), "load_average_1min": os.getloadavg()[0],
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
@@ -34,43 +40,6 @@ def machine_info(device: str) -> dict:
     except ImportError:
         pass
     return info
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(field)
-
-
-class PeakMemory:
-    """Peak extra memory of a region: CUDA allocator peak on GPU; on CPU the kernel's resident-set
-    high-water mark (VmHWM, reset through /proc/self/clear_refs) above the resident set at entry.
-    The CPU figure counts every page touched, allocator caches included."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.peak_bytes = 0
-
-    def __enter__(self):
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-            self.base = _status_kib("VmRSS") * 1024
-        return self
-
-    def __exit__(self, *exc):
-        if self.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            self.peak_bytes = torch.cuda.max_memory_allocated() - self.base
-        else:
-            self.peak_bytes = _status_kib("VmHWM") * 1024 - self.base
-        return False
 
 
 def median_time(fn, device: str, repeats: int, warmup: int = 1) -> float:
@@ -93,13 +62,21 @@ def median_time(fn, device: str, repeats: int, warmup: int = 1) -> float:
     return statistics.median(times)
 
 
-def run_worker(script: str, args: list[str], timeout: float = 1800) -> dict:
-    """Run one configuration in a fresh Python process; it prints one JSON line last."""
-    cmd = [sys.executable, script, "--worker"] + args
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode != 0:
-        return {"error": (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["failed"]}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def run_worker(script: str, args: list[str], timeout: float = 1800, env: dict | None = None,
+               worker_flag: str | None = "--worker") -> dict:
+    """Run one configuration in a fresh Python process (``script [worker_flag] args``), which
+    prints its result as the last JSON line; adds ``process_wall_s``. On failure returns
+    ``{"error": last lines of its output}``."""
+    cmd = [sys.executable, script] + ([worker_flag] if worker_flag else []) + list(args)
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          env=None if env is None else {**os.environ, **env})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": (proc.stderr or proc.stdout)[-2000:], "returncode": proc.returncode}
+    result = json.loads(lines[-1])
+    result["process_wall_s"] = time.perf_counter() - t0
+    return result
 
 
 def write_json(path: str, payload: dict) -> None:

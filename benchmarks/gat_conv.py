@@ -23,40 +23,18 @@ Writes ``benchmarks/results/gat_conv_<device>.json`` and prints a table.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from _common import PeakMemory, machine_info, run_worker  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- worker side
-def _status_kb(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_cpu_peak():
-    import ctypes
-    import gc
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    return _status_kb("VmRSS") * 1024
-
-
 def worker(args) -> dict:
     import torch
     torch.set_num_threads(args.threads)
@@ -85,23 +63,15 @@ def worker(args) -> dict:
             layer(x, edge_index).sum().backward()
         sync()
 
-    if dev.type == "cuda":
-        sync()
-        torch.cuda.reset_peak_memory_stats(dev)
-        base = torch.cuda.memory_allocated(dev)
-    else:
-        base = _reset_cpu_peak()
     times, cpu_times = [], []
-    for i in range(args.repeats + 1):
-        t0, c0 = time.perf_counter(), time.process_time()
-        step()
-        if i:  # the first run is the warm-up
-            times.append(time.perf_counter() - t0)
-            cpu_times.append(time.process_time() - c0)
-    if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(dev) - base
-    else:
-        peak = _status_kb("VmHWM") * 1024 - base
+    with PeakMemory(dev) as mem:
+        for i in range(args.repeats + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            if i:  # the first run is the warm-up
+                times.append(time.perf_counter() - t0)
+                cpu_times.append(time.process_time() - c0)
+    peak = mem.peak_bytes
     times.sort()
     cpu_times.sort()
     return {"median_s": times[len(times) // 2], "times_s": times, "peak_extra_bytes": peak,
@@ -110,42 +80,12 @@ def worker(args) -> dict:
 
 
 # ---------------------------------------------------------------------------- driver side
-def machine_info(device: str, threads: int) -> dict:
-    import torch
-    import torch_geometric
-    cpu = platform.processor()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {"cpu": cpu, "cpu_count": os.cpu_count(), "threads": threads, "torch": torch.__version__,
-            "torch_geometric": torch_geometric.__version__, "python": platform.python_version(),
-            "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "device": device}
-    if device.startswith("cuda"):
-        info["gpu"] = torch.cuda.get_device_name(0)
-    return info
-
-
 def run_config(impl, mode, nodes, edges, a) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--impl", impl, "--mode", mode,
-           "--nodes", str(nodes), "--edges", str(edges), "--device", a.device,
-           "--threads", str(a.threads), "--repeats", str(a.repeats), "--f-in", str(a.f_in),
-           "--heads", str(a.heads), "--channels", str(a.channels)]
-    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), MKL_NUM_THREADS=str(a.threads))
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
-    wall = time.perf_counter() - t0
-    for line in reversed(proc.stdout.splitlines()):
-        if line.startswith("{"):
-            res = json.loads(line)
-            res["process_wall_s"] = wall
-            return res
-    return {"error": (proc.stderr or proc.stdout)[-2000:], "returncode": proc.returncode}
+    return run_worker(os.path.abspath(__file__),
+                      ["--impl", impl, "--mode", mode, "--nodes", str(nodes), "--edges", str(edges),
+                       "--device", a.device, "--threads", str(a.threads), "--repeats", str(a.repeats),
+                       "--f-in", str(a.f_in), "--heads", str(a.heads), "--channels", str(a.channels)],
+                      timeout=a.timeout, env={"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)})
 
 
 def fmt_bytes(b):
@@ -181,7 +121,8 @@ def main():
         sizes = [(10_000, 200_000), (100_000, 2_000_000)]
         if a.device.startswith("cuda"):
             sizes.append((1_000_000, 10_000_000))
-    info = machine_info(a.device, a.threads)
+    info = machine_info(a.device)
+    info["threads"] = a.threads
     results = []
     print(f"GATConv benchmark on {a.device} ({info['cpu']}, {a.threads} threads), F_in={a.f_in}, "
           f"heads={a.heads}, C={a.channels}; median of {a.repeats} after 1 warm-up, fresh process each")

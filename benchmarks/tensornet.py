@@ -15,12 +15,9 @@ at most 52 mode letters and these networks have hundreds of modes.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,6 +25,8 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from _common import machine_info, run_worker  # noqa: E402
 warnings.filterwarnings("ignore")
 
 THREADS = 2
@@ -57,7 +56,6 @@ def _interleaved(inputs, output, arrays):
 
 def build_specs(quick: bool):
     """Cases with their shared path (cotengra's or greedy) and sliced modes, planned once here."""
-    import torch
     from torch_gradops import tensornet as tn
     circ = dict(rows=4, cols=5, depth=12 if not quick else 8, seed=0)
     peps = dict(rows=6 if not quick else 4, cols=6 if not quick else 4, bond=3, seed=0)
@@ -141,7 +139,6 @@ def _median_time(fn, budget_s, min_reps=3, max_reps=30):
 def make_callable(impl, spec, inputs, output, arrays):
     """A function of the operand list returning the contraction (scalar here)."""
     import opt_einsum
-    import torch
     from torch_gradops import _demo_tensornet as demo
     from torch_gradops import tensornet as tn
     path = [tuple(p) for p in spec["path"]]
@@ -210,34 +207,10 @@ def matmul_worker():
 
 # ---------------------------------------------------------------------------- driver
 def _run_sub(args, timeout=600):
-    cmd = [sys.executable, os.path.abspath(__file__)] + args
     # Shared 2-core machine: spin-waiting OpenMP workers made timings swing 10x between runs
     # (for every implementation); passive waiting keeps them comparable.
-    env = dict(os.environ, OMP_WAIT_POLICY=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"))
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT, env=env)
-    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
-    if res.returncode != 0 or not lines:
-        return {"error": (res.stderr or res.stdout)[-2000:]}
-    return json.loads(lines[-1])
-
-
-def machine_info():
-    import torch
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return dict(cpu=cpu, logical_cpus=os.cpu_count(), threads=THREADS, torch=torch.__version__,
-                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY", "PASSIVE"),
-                load_average=os.getloadavg(),
-                python=platform.python_version(), platform=platform.platform(),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                device="cpu")
+    return run_worker(os.path.abspath(__file__), args, timeout=timeout, worker_flag=None,
+                      env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
 
 
 def _fmt_t(s):
@@ -266,7 +239,8 @@ def main():
         return
 
     t_start = time.perf_counter()
-    info = machine_info()
+    info = machine_info("cpu")
+    info["threads"] = THREADS
     print(f"machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}, {info['date']}")
     specs = build_specs(args.quick)
     matmul = _run_sub(["--matmul"])
