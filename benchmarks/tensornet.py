@@ -27,6 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from _common import machine_info, run_worker  # noqa: E402
+
+from torch_gradops._memory import peak_allocated_bytes as _peak_bytes  # noqa: E402
 warnings.filterwarnings("ignore")
 
 THREADS = 2
@@ -112,17 +114,6 @@ IMPLS = {
 
 
 # ---------------------------------------------------------------------------- worker
-def _peak_bytes(fn):
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 def _median_time(fn, budget_s, min_reps=3, max_reps=30):

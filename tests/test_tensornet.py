@@ -6,10 +6,10 @@ import string
 
 import pytest
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 import opt_einsum
 from torch_gradops import tensornet as tn
+from torch_gradops._memory import peak_allocated_bytes as _peak_bytes
 
 F64, C128 = torch.float64, torch.complex128
 
@@ -456,17 +456,6 @@ def test_plan_gradients_low_level():
 
 
 # ---------------------------------------------------------------------------- memory
-def _peak_bytes(fn):
-    """Peak of live CPU allocator bytes while ``fn`` runs (torch profiler memory events)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    cur = peak = 0
-    for e in events:
-        cur += e.nbytes()
-        peak = max(peak, cur)
-    return peak
 
 
 def test_sliced_backward_peak_memory_is_bounded():

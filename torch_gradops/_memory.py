@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-__all__ = ["PeakMemory"]
+__all__ = ["PeakMemory", "peak_allocated_bytes"]
 
 
 def _status_kib(field: str) -> int:
@@ -61,3 +61,19 @@ class PeakMemory:
         elif self.base is not None:
             self.peak_bytes = _status_kib("VmHWM") * 1024 - self.base
         return False
+
+
+def peak_allocated_bytes(fn) -> int:
+    """Peak of live CPU tensor-allocator bytes while ``fn()`` runs, from the torch profiler's
+    memory events: tensor memory only, exact, and independent of what the process held before."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    cur = peak = 0
+    for e in events:
+        cur += e.nbytes()
+        peak = max(peak, cur)
+    return peak

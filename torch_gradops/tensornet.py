@@ -649,15 +649,19 @@ def _needs_function(eff) -> bool:
 
 
 # ---------------------------------------------------------------------------- path and slicing
+def _mode_counts(inputs, output) -> Dict[int, int]:
+    """How many operands (the output counting as one) carry each mode."""
+    count: Dict[int, int] = {}
+    for t in list(inputs) + [output]:
+        for m in t:
+            count[m] = count.get(m, 0) + 1
+    return count
+
+
 def _step_table(inputs, output, sizes, path):
     """Per pairwise step: (frozenset of modes involved, frozenset of result modes), with
     hyperedges kept while any remaining operand or the output needs them."""
-    count: Dict[int, int] = {}
-    for t in inputs:
-        for m in t:
-            count[m] = count.get(m, 0) + 1
-    for m in output:
-        count[m] = count.get(m, 0) + 1
+    count = _mode_counts(inputs, output)
     cur = [frozenset(m for m in t if not (count[m] == 1)) for t in inputs]  # single-use: summed first
     for t in inputs:
         for m in t:
@@ -827,12 +831,7 @@ def _compile(inputs, output, sizes, path, sliced):
     slot_of_k = {m: k for k, m in enumerate(sliced)}
     sset = set(sliced)
     prog: List[int] = []
-    count: Dict[int, int] = {}
-    for t in inputs:
-        for m in t:
-            count[m] = count.get(m, 0) + 1
-    for m in output:
-        count[m] = count.get(m, 0) + 1
+    count = _mode_counts(inputs, output)
     cur = []
     for i, t in enumerate(inputs):
         modes = list(t)
