@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ._library import check_backend, ops
-from .graph import BipartiteCSC
+from .graph import BipartiteCSC, csc_destinations
 
 __all__ = ["gat_attention", "GATAttentionFunction", "mha_gat_n2n"]
 
@@ -78,12 +78,6 @@ def _gat_composite(x_src, a_src, a_dst, el, src, dst, num_dst, mask, negative_sl
     return out.to(dtype), alpha.to(dtype)
 
 
-def _csc_dst(indptr: torch.Tensor, num_edges: int) -> torch.Tensor:
-    counts = indptr[1:] - indptr[:-1]
-    return torch.repeat_interleave(torch.arange(counts.numel(), device=indptr.device), counts,
-                                   output_size=num_edges)
-
-
 # ---------------------------------------------------------------------------- autograd
 class _GATAttentionFirstOrder(torch.autograd.Function):
     """Forward and backward of :class:`GATAttentionFunction`, without ``jvp``: the class that
@@ -129,7 +123,7 @@ class _GATAttentionFirstOrder(torch.autograd.Function):
 
         if torch.is_grad_enabled():
             # create_graph=True: differentiable composite recomputation (exact, not fused).
-            dst = _csc_dst(indptr, indices.numel())
+            dst = csc_destinations(indptr, indices.numel()).long()
             with torch.enable_grad():
                 inputs = [t for t, n in zip((x_src, a_src, a_dst, edge_logits), needs) if n]
                 detached = [t.detach().requires_grad_() if not t.requires_grad else t for t in inputs]
@@ -183,7 +177,7 @@ class GATAttentionFunction(_GATAttentionFirstOrder):
         x_src, a_src, a_dst, el, indptr, indices, mask, out, lse = ctx.saved_tensors
         acc = _acc_dtype(x_src.dtype)
         src = indices.long()
-        dst = _csc_dst(indptr, indices.numel())
+        dst = csc_destinations(indptr, indices.numel()).long()
         z = a_src.index_select(0, src).to(acc) + a_dst.index_select(0, dst).to(acc)
         if el is not None:
             z = z + el.to(acc)

@@ -16,6 +16,13 @@ def _check_index_tensor(t, name):
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
 
 
+def csc_destinations(indptr: torch.Tensor, num_edges: int) -> torch.Tensor:
+    """``[E]`` destination id of each CSC position, in ``indptr``'s dtype and device."""
+    counts = indptr[1:] - indptr[:-1]
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=indptr.device, dtype=indptr.dtype),
+                                   counts, output_size=num_edges)
+
+
 @dataclass(frozen=True)
 class _ReverseIndex:
     """Edges grouped by source: the order the deterministic backward sums in."""
@@ -132,10 +139,7 @@ class BipartiteCSC:
     def dst_index(self) -> torch.Tensor:
         """``[E]`` destination id of each edge, in CSC order (built once)."""
         if self._dst is None:
-            counts = self.indptr[1:] - self.indptr[:-1]
-            self._dst = torch.repeat_interleave(
-                torch.arange(self.num_dst, device=self.device, dtype=self.dtype), counts,
-                output_size=self.num_edges)
+            self._dst = csc_destinations(self.indptr, self.num_edges)
         return self._dst
 
     def reverse_index(self) -> _ReverseIndex:
