@@ -31,6 +31,19 @@ export MAX_JOBS="${MAX_JOBS:-2}"
 
 job="${1:-demo}"
 shift || true
+
+# The test job also covers PyG's torch_sparse inputs and NeighborLoader, whose backends PyPI
+# ships as sources only: built once per venv (about 10 minutes on 2 cores), then skipped.
+# TORCH_GRADOPS_SPARSE=0 skips them (their tests then skip too).
+if [ "$job" = test ] && [ "${TORCH_GRADOPS_SPARSE:-1}" = 1 ]; then
+  sstamp="$VENV/.torch_gradops_sparse"
+  swant="$(cat requirements-sparse.txt)"
+  if [ ! -f "$sstamp" ] || [ "$(cat "$sstamp")" != "$swant" ]; then
+    echo "building torch-scatter and torch-sparse from source (once per venv)"
+    FORCE_CUDA=0 "$PY" -m pip install -q --no-build-isolation -r requirements-sparse.txt
+    printf '%s' "$swant" > "$sstamp"
+  fi
+fi
 case "$job" in
   demo) exec "$PY" -m torch_gradops.demo "$@" ;;
   test) exec "$PY" -m pytest -q "$@" ;;
