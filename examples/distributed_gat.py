@@ -45,8 +45,11 @@ def rank_batches(data, rank: int, world_size: int, batch_size: int, num_hops: in
     train_idx = data.train_mask.nonzero().view(-1)
     gen = torch.Generator().manual_seed(seed * 1000 + epoch)
     share = train_idx[torch.randperm(train_idx.numel(), generator=gen)][rank::world_size]
-    if _sampler_available():  # pragma: no cover - needs pyg-lib or torch-sparse
+    if _sampler_available():
         from torch_geometric.loader import NeighborLoader
+        # The sampler draws from torch's global generator: seed it per (seed, epoch, rank) so a
+        # rank's batches can be reproduced in another process (the test does).
+        torch.manual_seed(seed * 1000 + epoch * 10 + rank)
         loader = NeighborLoader(data, input_nodes=share, num_neighbors=[10] * num_hops,
                                 batch_size=batch_size, shuffle=False)
         for batch in loader:
