@@ -400,10 +400,11 @@ class ContractionPlan:
         self.slice_extents = tuple(sized[m] for m in sliced)
         self.num_slices = int(math.prod(self.slice_extents))
         self.output_shape = tuple(sized[m] for m in eff_output)
-        program, steps = _compile(eff_inputs, eff_output, sized, self.path, self._sliced)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        program, steps = _compile(eff_inputs, eff_output, sized, self.path, self._sliced, itemsize,
+                                  dtype.is_complex)
         self._compiled = _Compiled(tuple(program), self)
         self._compiled_cached = _Compiled(self._compiled.program, self, cache=True)
-        itemsize = torch.empty((), dtype=dtype).element_size()
         cplx = dtype.is_complex
         per_slice = sum(s[0] for s in steps)
         self.flops = int(per_slice * 2 * (4 if cplx else 1) * self.num_slices)
@@ -801,40 +802,212 @@ def _check_path(path, n):
 
 
 # ---------------------------------------------------------------------------- compiler
-def _gemm_layout(ma, mb, left, right, count, sizes):
-    """Orders of the batch and contracted modes and whether A / B enter the GEMM transposed,
-    chosen so that A = [batch, left, contr] or [batch, contr, left] and B = [batch, contr,
-    right] or [batch, right, contr] are plain views of the tensors as they lie in memory
-    (bmm takes a transposed view without copying); when that cannot hold for both, the
-    smaller tensor is the one copied."""
-    setb, seta = set(mb), set(ma)
+def _contiguous_strides(modes, sizes):
+    strides, acc = {}, 1
+    for m in reversed(modes):
+        strides[m] = acc
+        acc *= max(sizes[m], 1)
+    return strides
 
-    def fits(modes, first, second, third):
-        return modes == first + second + third
+
+def _view_orders(modes, strides, group, sizes):
+    """How a slot (``modes`` in dimension order, ``strides`` per mode) can enter a GEMM without a
+    copy: ``(orders, contr_first)`` with ``orders[g]`` the modes of group ``g`` ('b' batch, 'k'
+    contracted, 'f' free) in memory order, when the slot's memory holds the batch modes
+    outermost and then the free and the contracted modes as two blocks, each group mergeable
+    by a reshape (singleton modes fit anywhere); None when a copy is needed."""
+    seq = sorted((m for m in modes if sizes[m] > 1), key=lambda m: -strides[m])
+    blocks, runs, run = [], {}, 0
+    for j, m in enumerate(seq):
+        if j and strides[seq[j - 1]] != strides[m] * sizes[m]:
+            run += 1  # not mergeable with the previous mode (a sliced mode was selected between)
+        g = group[m]
+        if not blocks or blocks[-1] != g:
+            if g in blocks:
+                return None  # a group split in two
+            blocks.append(g)
+        if runs.setdefault(g, run) != run:
+            return None  # a group a reshape cannot merge
+    if "b" in blocks and blocks[0] != "b":
+        return None
+    orders = {g: [m for m in seq if group[m] == g] for g in "bkf"}
+    for m in modes:
+        if sizes[m] <= 1:
+            orders[group[m]].append(m)
+    rest = [g for g in blocks if g != "b"]
+    return orders, bool(rest) and rest[0] == "k"
+
+
+def _consumer_groups(lay, cur, path, count):
+    """Per intermediate slot, the role of each of its modes at the step that consumes it ('s'
+    summed first, 'b' batch, 'k' contracted, 'f' free); 'final' for the last one. Depends only
+    on the path, so the compiler can lay out each step's result for its consumer."""
+    cnt = dict(count)
+    slots = list(cur)
+    msets = [set(lay[s][0]) for s in cur]
+    nslot = len(lay)
+    consumer = {}
+    for pair in path:
+        p, q = sorted(pair)
+        sb, setb = slots.pop(q), msets.pop(q)
+        sa, seta = slots.pop(p), msets.pop(p)
+        for m in seta:
+            cnt[m] -= 1
+        for m in setb:
+            cnt[m] -= 1
+        res = set()
+        for s, mine, other in ((sa, seta, setb), (sb, setb, seta)):
+            g = {}
+            for m in mine:
+                if m in other:
+                    g[m] = "b" if cnt[m] > 0 else "k"
+                elif cnt[m] == 0:
+                    g[m] = "s"
+                else:
+                    g[m] = "f"
+            consumer[s] = g
+            res |= {m for m, r in g.items() if r in "bf"}
+        for m in res:
+            cnt[m] += 1
+        slots.append(nslot)
+        msets.append(res)
+        nslot += 1
+    if slots:
+        consumer[slots[-1]] = "final"
+    return consumer
+
+
+def _result_fits(cm, cons, sizes, kept):
+    """Whether the consumer can use a contiguous result with modes ``cm`` without a copy."""
+    seq = [m for m in cm if sizes[m] > 1]
+    if cons == "final":
+        return seq == [m for m in kept if sizes[m] > 1]
+    blocks = []
+    for m in seq:
+        g = cons[m]
+        if g == "s":
+            continue  # summed first: the sum's result is contiguous in the remaining order
+        if not blocks or blocks[-1] != g:
+            if g in blocks:
+                return False
+            blocks.append(g)
+    return "b" not in blocks or blocks[0] == "b"
+
+
+def _copy_cost(modes, strides, order, sizes, itemsize):
+    """Estimated cost, in element-copies, of copying a slot into ``order``: its elements times a
+    factor for short inner runs (a permuted copy whose innermost destination modes are not
+    contiguous in the source moves a few bytes per inner loop; measured on CPU, about
+    1 + 256 / (contiguous bytes per inner loop) times a plain copy)."""
+    run, expect = 1, 1
+    for m in reversed([m for m in order if sizes[m] > 1]):
+        if strides[m] != expect:
+            break
+        run *= sizes[m]
+        expect *= sizes[m]
+    return math.prod(sizes[m] for m in modes) * (1 + 256 / (run * itemsize))
+
+
+def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize=8, is_complex=False):
+    """Layout of one pairwise step. Each operand enters bmm as a view when its memory allows
+    ([batch, free, contr] or [batch, contr, free]; bmm takes the transposed view without
+    copying) or as a copy in any order; the result is [batch, left, right] or, computing it
+    transposed, [batch, right, left]. Among these choices, minimise the estimated cost of the
+    copies made now (:func:`_copy_cost`), plus twice the result's size when its consumer would
+    have to copy it (one step of look-ahead: the orders of a copied operand and the side of
+    the result are chosen for the consumer), plus a penalty for a result whose rows are
+    shorter than 16 elements and than its columns (measured on CPU: a [59049, 9] = [59049, 18]
+    @ [18, 9] float32 GEMM takes about 5x as long as its transpose [9, 59049]; complex GEMMs
+    care much less). Costs are in element copies. Returns (swap, per side: (copied, orders,
+    contr_first))."""
+    va = _view_orders(ma, sta, group_a, sizes)
+    vb = _view_orders(mb, stb, group_b, sizes)
+    batch = [m for m in ma if group_a[m] == "b"]
+    contr = [m for m in ma if group_a[m] == "k"]
+    left = [m for m in ma if group_a[m] == "f"]
+    right = [m for m in mb if group_b[m] == "f"]
+    mem_a = sorted(ma, key=lambda m: -sta[m])
+    mem_b = sorted(mb, key=lambda m: -stb[m])
+    size_c = math.prod(sizes[m] for m in batch + left + right)
+    size_l = math.prod(sizes[m] for m in left)
+    size_r = math.prod(sizes[m] for m in right)
+    macs = size_c * math.prod(sizes[m] for m in contr)
+    narrow = macs * (0.05 if is_complex else 1.0)  # cost of rows < 16 elements (see above)
+    nz = lambda ms: [m for m in ms if sizes[m] > 1]  # noqa: E731
+    if cons == "final":
+        keys = [{m: j for j, m in enumerate(kept)}]
+    else:
+        keys = [{m: "bkfs".index(cons[m]) for m in cons}, {m: "bfks".index(cons[m]) for m in cons}]
+
+    memo = {}
+
+    def copied(side, b, k, f):
+        """(cost, orders, contr_first) of the cheaper stored layout of a copied operand."""
+        key = (side, tuple(b), tuple(k), f)
+        if key not in memo:
+            modes, strides = (ma, sta) if side == 0 else (mb, stb)
+            f = list(f)
+            memo[key] = min((_copy_cost(modes, strides, b + (k + f if cf else f + k), sizes, itemsize), cf)
+                            for cf in (False, True)) + ({"b": b, "k": k, "f": f},)
+        cost, cf, orders = memo[key]
+        return cost, orders, cf
 
     best = None
-    for src in (ma, mb):
-        batch = [m for m in src if m in seta and m in setb and count[m] > 0]
-        contr = [m for m in src if m in seta and m in setb and count[m] == 0]
-        ta = 0 if fits(ma, batch, left, contr) else 1 if fits(ma, batch, contr, left) else 0
-        a_ok = fits(ma, batch, left, contr) or fits(ma, batch, contr, left)
-        tb = 0 if fits(mb, batch, contr, right) else 1 if fits(mb, batch, right, contr) else 0
-        b_ok = fits(mb, batch, contr, right) or fits(mb, batch, right, contr)
-        copied = (0 if a_ok else math.prod(sizes[m] for m in ma)) + (0 if b_ok else math.prod(sizes[m] for m in mb))
-        if best is None or copied < best[0]:
-            best = (copied, batch, contr, ta, tb)
+    for copy_a in ((False, True) if va else (True,)):
+        for copy_b in ((False, True) if vb else (True,)):
+            if not copy_a and not copy_b:
+                if nz(va[0]["b"]) != nz(vb[0]["b"]) or nz(va[0]["k"]) != nz(vb[0]["k"]):
+                    continue
+                shared = [(None, None)]
+            elif not copy_a:
+                shared = [(va[0]["b"], va[0]["k"])]
+            elif not copy_b:
+                shared = [(vb[0]["b"], vb[0]["k"])]
+            else:  # both copied: batch and contracted orders free; try each operand's memory order
+                shared = {(tuple(m for m in mem if m in batch), tuple(m for m in mem if m in contr))
+                          for mem in (mem_a, mem_b)}
+                shared = [(list(b), list(k)) for b, k in shared]
+            for rank in keys:
+                by = lambda ms: tuple(sorted(ms, key=lambda m: rank.get(m, 0)))  # noqa: E731
+                for b_ord, k_ord in shared:
+                    if copy_a:
+                        fa = [m for m in mem_a if m in left]
+                        opts_a = [copied(0, b_ord, k_ord, f) for f in {by(fa), tuple(fa)}]
+                    else:
+                        opts_a = [(0, va[0], va[1])]
+                    if copy_b:
+                        fb = [m for m in mem_b if m in right]
+                        opts_b = [copied(1, b_ord, k_ord, f) for f in {by(fb), tuple(fb)}]
+                    else:
+                        opts_b = [(0, vb[0], vb[1])]
+                    for cost_a, oa, cfa in opts_a:
+                        for cost_b, ob, cfb in opts_b:
+                            for swap in (0, 1):
+                                x = ob if swap else oa
+                                cm = x["b"] + (ob["f"] + oa["f"] if swap else oa["f"] + ob["f"])
+                                fits = _result_fits(cm, cons, sizes, kept)
+                                cols, rows = (size_l, size_r) if swap else (size_r, size_l)
+                                cost = cost_a + cost_b + (0 if fits else 2 * size_c) + \
+                                    (narrow if cols < 16 and rows > cols else 0)
+                                key = (cost, copy_a + copy_b, swap)
+                                if best is None or key < best[0]:
+                                    best = (key, swap, (copy_a, oa, cfa), (copy_b, ob, cfb))
+                                    if cost == 0 and not swap:
+                                        return best[1:]  # nothing is copied: cannot do better
     return best[1:]
 
 
-def _compile(inputs, output, sizes, path, sliced):
-    """Program (see csrc/contract.cpp) and per step (multiply-adds, result elements)."""
+def _compile(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False):
+    """Program (see csrc/contract.cpp) and per step (multiply-adds, result elements, GEMM
+    operand elements)."""
     slot_of_k = {m: k for k, m in enumerate(sliced)}
     sset = set(sliced)
     prog: List[int] = []
     count = _mode_counts(inputs, output)
-    cur = []
+    lay = []  # per slot: (modes in dimension order, stride per mode) as the executor will hold it
     for i, t in enumerate(inputs):
         modes = list(t)
+        strides = _contiguous_strides(modes, sizes)  # operands are assumed contiguous
         for m in sliced:  # SELECTs first: the backward views gradient buffers through them
             if m in modes:
                 d = modes.index(m)
@@ -847,51 +1020,63 @@ def _compile(inputs, output, sizes, path, sliced):
                 if count[m] == 1:
                     count[m] = 0
             modes = [m for m in modes if count[m] != 0]
-        cur.append((i, modes))
+            strides = _contiguous_strides(modes, sizes)
+        lay.append((modes, strides))
+    cur = list(range(len(inputs)))
     # sliced modes are gone everywhere
     for m in sset:
         count[m] = 0
+    kept = [m for m in output if m not in sset]
+    consumer = _consumer_groups(lay, cur, path, count)
     steps = []
     nslot = len(inputs)
     for pair in path:
         p, q = sorted(pair)
-        (sb, mb) = cur.pop(q)
-        (sa, ma) = cur.pop(p)
-        setb = set(mb)
-        seta = set(ma)
+        sb = cur.pop(q)
+        sa = cur.pop(p)
+        ma, mb = lay[sa][0], lay[sb][0]
         for m in ma:
             count[m] -= 1
         for m in mb:
             count[m] -= 1
         # modes of one side that no one else needs: sum them before the GEMM
-        for side, modes, other in ((sa, ma, setb), (sb, mb, seta)):
+        for side, other in ((sa, set(mb)), (sb, set(ma))):
+            modes = lay[side][0]
             dims = [d for d, m in enumerate(modes) if m not in other and count[m] == 0]
             if dims:
                 prog += [_SUM, side, len(dims)] + dims
-        ma = [m for m in ma if m in setb or count[m] > 0]
-        mb = [m for m in mb if m in seta or count[m] > 0]
-        setb, seta = set(mb), set(ma)
-        left = [m for m in ma if m not in setb]
-        right = [m for m in mb if m not in seta]
-        batch, contr, ta, tb = _gemm_layout(ma, mb, left, right, count, sizes)
-        pa = [ma.index(m) for m in (batch + contr + left if ta else batch + left + contr)]
-        pb = [mb.index(m) for m in (batch + right + contr if tb else batch + contr + right)]
-        bt = math.prod(sizes[m] for m in batch)
-        mm = math.prod(sizes[m] for m in left)
-        kk = math.prod(sizes[m] for m in contr)
-        nn = math.prod(sizes[m] for m in right)
-        cm = batch + left + right
-        prog += [_CONTRACT, sa, sb, nslot, len(pa)] + pa + [len(pb)] + pb + [ta, tb, bt, mm, kk, nn, len(cm)] + \
+                modes = [m for d, m in enumerate(modes) if d not in dims]
+                lay[side] = (modes, _contiguous_strides(modes, sizes))
+        (ma, sta), (mb, stb) = lay[sa], lay[sb]
+        seta, setb = set(ma), set(mb)
+        group_a = {m: ("b" if count[m] > 0 else "k") if m in setb else "f" for m in ma}
+        group_b = {m: ("b" if count[m] > 0 else "k") if m in seta else "f" for m in mb}
+        swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes,
+                                                                  consumer[nslot], kept, itemsize, is_complex)
+        # X enters bmm as [Bt,M,K] (stored [Bt,K,M] if tx), Y as [Bt,K,N] (stored [Bt,N,K] if ty)
+        (sx, mx, ox, cx, fx), (sy, my, oy, cy, fy) = ((sb, mb, ob, copy_b, cfb), (sa, ma, oa, copy_a, cfa)) if swap \
+            else ((sa, ma, oa, copy_a, cfa), (sb, mb, ob, copy_b, cfb))
+        tx = int(fx)  # stored [Bt,K,M] when the contracted modes come first
+        ty = int(not fy)
+        px = [mx.index(m) for m in (ox["b"] + ox["k"] + ox["f"] if tx else ox["b"] + ox["f"] + ox["k"])]
+        py = [my.index(m) for m in (oy["b"] + oy["f"] + oy["k"] if ty else oy["b"] + oy["k"] + oy["f"])]
+        bt = math.prod(sizes[m] for m in ox["b"])
+        mm = math.prod(sizes[m] for m in ox["f"])
+        kk = math.prod(sizes[m] for m in ox["k"])
+        nn = math.prod(sizes[m] for m in oy["f"])
+        cm = ox["b"] + ox["f"] + oy["f"]
+        prog += [_CONTRACT, sx, sy, nslot, len(px)] + px + [len(py)] + py + [tx, ty, bt, mm, kk, nn, len(cm)] + \
             [sizes[m] for m in cm]
         for m in cm:
             count[m] += 1
         steps.append((bt * mm * kk * nn, bt * mm * nn, bt * kk * (mm + nn)))
-        cur.append((nslot, cm))
+        lay.append((cm, _contiguous_strides(cm, sizes)))
+        cur.append(nslot)
         nslot += 1
     if len(cur) != 1:
         raise ValueError(f"the contraction path leaves {len(cur)} tensors; it must contract all operands into one")
-    slot, modes = cur[0]
-    kept = [m for m in output if m not in sset]
+    slot = cur[0]
+    modes = lay[slot][0]
     if sorted(modes) != sorted(kept):
         raise AssertionError(f"internal: final modes {modes} != output {kept}")
     perm = [modes.index(m) for m in kept]
