@@ -35,7 +35,7 @@ __all__ = ["contract", "plan", "ContractionPlan", "ContractFunction", "parse_mem
            "plan_cache_info", "clear_plan_cache"]
 
 _VERSION = 1
-_SELECT, _SUM, _CONTRACT, _FINAL = 1, 2, 3, 4
+_SELECT, _SUM, _CONTRACT, _FINAL, _CHECKPOINT = 1, 2, 3, 4, 5
 
 
 # ---------------------------------------------------------------------------- fake kernels
@@ -76,6 +76,8 @@ def _cached_shapes(program, needs_grad):
             shapes.append(((bt, n, k) if tb else (bt, k, n)) if needs[a] else (0,))
             needs[c] = needs[a] or needs[b]
             i += 13 + ra + rb + rc
+        elif op == _CHECKPOINT:
+            i += 1
         else:
             break
     return shapes
@@ -372,10 +374,14 @@ class ContractionPlan:
             the modes' indices, last mode fastest).
         flops: real floating-point operations of all slices (a complex multiply-add counts 8).
         largest_intermediate: ``(elements, bytes)`` of the largest tensor a step creates, per
-            slice: what ``memory_limit`` bounds.
-        slice_working_set: bytes of all GEMM operands of one slice, what a slice's backward
-            keeps at most (the sliced backward's peak is about this plus operands and gradients,
-            whatever the number of slices).
+            slice.
+        slice_working_set: bytes that one slice's forward + backward holds at most, beyond the
+            operands, the output and the gradients (model: every intermediate of the slice but
+            the last, as the backward's recomputation keeps them, plus twice the operands and
+            result of the largest step for its gradients and copies). ``memory_limit`` bounds
+            this (and so also the largest intermediate and the forward's working memory): the
+            peak extra memory of forward + backward is about ``memory_limit`` + operands +
+            their gradients + output, whatever the number of slices.
     """
 
     def __init__(self, *, expr, inputs, output, shapes, dtype, device_type, path, sliced, sizes,
@@ -401,8 +407,14 @@ class ContractionPlan:
         self.num_slices = int(math.prod(self.slice_extents))
         self.output_shape = tuple(sized[m] for m in eff_output)
         itemsize = torch.empty((), dtype=dtype).element_size()
+        # what one slice's forward + backward holds (model: see _working_set), with as few
+        # backward checkpoints as keep it within memory_limit
+        working, checkpoints = _working_set(_step_table(eff_inputs, eff_output, sized, self.path), sized,
+                                            set(sliced), None if memory_limit is None else memory_limit // itemsize)
+        self.slice_working_set = int(working * itemsize)
+        self.checkpoints = tuple(checkpoints)
         program, steps = _compile(eff_inputs, eff_output, sized, self.path, self._sliced, itemsize,
-                                  dtype.is_complex)
+                                  dtype.is_complex, checkpoints)
         self._compiled = _Compiled(tuple(program), self)
         self._compiled_cached = _Compiled(self._compiled.program, self, cache=True)
         cplx = dtype.is_complex
@@ -410,8 +422,6 @@ class ContractionPlan:
         self.flops = int(per_slice * 2 * (4 if cplx else 1) * self.num_slices)
         largest = max([s[1] for s in steps] + [math.prod(sized[m] for m in eff_output if m not in set(sliced))])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
-        # what one slice's backward holds at most: every GEMM operand of the slice (bytes)
-        self.slice_working_set = int(sum(st[2] for st in steps) * itemsize)
         self._tables: Dict[Any, Tuple[int, ...]] = {}
 
     # -- slices --------------------------------------------------------------------------
@@ -522,7 +532,8 @@ class ContractionPlan:
                 return _TraceableContract.apply(self._compiled, table, *eff)
             # unsliced and gradients wanted: keep the step results for the backward
             # (a sliced plan recomputes per slice instead: that is its memory bound)
-            cache = self.num_slices == 1 and torch.is_grad_enabled() and any(t.requires_grad for t in eff)
+            cache = self.num_slices == 1 and not self.checkpoints and torch.is_grad_enabled() and \
+                any(t.requires_grad for t in eff)
             return ContractFunction.apply(self._compiled_cached if cache else self._compiled, table, *eff)
         return ops.contract_program(eff, list(prog), list(table))
 
@@ -623,7 +634,7 @@ class ContractionPlan:
                 f"device_type={self.device_type!r}, optimizer={self.optimizer!r}, path={path} "
                 f"({len(self.path)} steps), sliced_modes={list(self.sliced_modes)}, num_slices={self.num_slices}, "
                 f"flops={self.flops:.4g}, largest_intermediate={li_el} elements ({_fmt_bytes(li_b)}), "
-                f"slice_working_set={_fmt_bytes(self.slice_working_set)}, "
+                f"slice_working_set={_fmt_bytes(self.slice_working_set)}, checkpoints={len(self.checkpoints)}, "
                 f"memory_limit={None if self.memory_limit is None else _fmt_bytes(self.memory_limit)})")
 
 
@@ -660,18 +671,21 @@ def _mode_counts(inputs, output) -> Dict[int, int]:
 
 
 def _step_table(inputs, output, sizes, path):
-    """Per pairwise step: (frozenset of modes involved, frozenset of result modes), with
-    hyperedges kept while any remaining operand or the output needs them."""
+    """Per pairwise step: (frozenset of modes involved, frozenset of result modes, the two
+    operands' mode sets, the steps that produced them or -1 for operands), with hyperedges
+    kept while any remaining operand or the output needs them."""
     count = _mode_counts(inputs, output)
     cur = [frozenset(m for m in t if not (count[m] == 1)) for t in inputs]  # single-use: summed first
+    prod = [-1] * len(cur)
     for t in inputs:
         for m in t:
             if count[m] == 1:
                 count[m] = 0
     steps = []
-    for pair in path:
+    for j, pair in enumerate(path):
         pair = sorted(pair, reverse=True)
         sets = [cur.pop(p) for p in pair]
+        prods = [prod.pop(p) for p in pair]
         allm = frozenset().union(*sets)
         for s in sets:
             for m in s:
@@ -680,51 +694,119 @@ def _step_table(inputs, output, sizes, path):
         for m in res:
             count[m] += 1
         cur.append(res)
-        steps.append((allm, res))
+        prod.append(j)
+        steps.append((allm, res, tuple(sets), tuple(prods)))
     return steps
 
 
-def _cost(steps, sizes, sliced) -> Tuple[int, int]:
-    """(multiply-adds of one slice, largest step result in elements) with ``sliced`` removed."""
+def _working_set(steps, sizes, sliced, limit=None):
+    """(elements one slice's forward + backward holds, checkpoints): the model of what the
+    executor keeps, and the steps before which its backward checkpoints.
+
+    The backward recomputes a slice segment by segment: a forward pass keeps the live
+    intermediates at each checkpoint, then, from the last segment to the first, it recomputes
+    the segment from its checkpoint keeping every step's inputs and sweeps back through it,
+    freeing each step's inputs as it creates their gradients. Held at once, at most: the
+    checkpoints up to the segment, the segment's step inputs, the gradients of the
+    intermediates live at its end, and the temporaries of one step (twice its operands and
+    result: gradients, and the copies a permuted reshape or a conjugation can make).
+    Operands, the output and operand gradients (added into their buffers as soon as they are
+    complete) are not counted. No checkpoints (one segment) is fastest; with ``limit``, the
+    fewest checkpoints (greedy segments of geometrically shrinking size) that fit it, else
+    the smallest working set found."""
+    n = len(steps)
+    if n == 0:
+        return 0, []
+    c, held_in, peak = [], [], 0
+    consumer = [n] * n
+    for j, (allm, res, sets, prods) in enumerate(steps):
+        c.append(math.prod(sizes[m] for m in res if m not in sliced))
+        ins = [math.prod(sizes[m] for m in s if m not in sliced) for s in sets]
+        held_in.append(sum(x for x, p in zip(ins, prods) if p >= 0))
+        for p in prods:
+            if p >= 0:
+                consumer[p] = j
+        peak = max(peak, 2 * (sum(ins) + c[-1]))
+
+    def ckpt(b):  # intermediates made before step b and used at or after it
+        return sum(c[p] for p in range(b) if consumer[p] >= b and consumer[p] < n)
+
+    def evaluate(bounds):
+        edges = bounds + [n]
+        total_ck, worst = 0, 0
+        for j in range(len(bounds)):
+            total_ck += ckpt(edges[j])
+            seg = sum(held_in[edges[j]:edges[j + 1]])
+            worst = max(worst, total_ck + seg + (ckpt(edges[j + 1]) if edges[j + 1] < n else 0))
+        return worst + peak
+
+    whole = sum(held_in)
+    best = (evaluate([0]), [0])
+    if limit is None or best[0] <= limit:
+        return best[0], []
+    target = whole / 2
+    floor = max(held_in)
+    while target >= floor and target > 0:
+        bounds, acc = [0], 0
+        for j in range(n):
+            if acc and acc + held_in[j] > target:
+                bounds.append(j)
+                acc = 0
+            acc += held_in[j]
+        w = evaluate(bounds)
+        if w <= limit:
+            return w, bounds[1:]
+        if w < best[0]:
+            best = (w, bounds)
+        target /= 2
+    return best[0], best[1][1:]
+
+
+def _cost(steps, sizes, sliced, limit=None) -> Tuple[int, int, int]:
+    """(multiply-adds of one slice, largest step result, working set of one slice's forward +
+    backward (:func:`_working_set`)), in elements, with ``sliced`` removed."""
     flops, largest = 0, 0
-    for allm, res in steps:
+    for allm, res, _, _ in steps:
         flops += math.prod(sizes[m] for m in allm if m not in sliced)
         largest = max(largest, math.prod(sizes[m] for m in res if m not in sliced))
-    return flops, largest
+    return flops, largest, _working_set(steps, sizes, sliced, limit)[0]
 
 
 def _greedy_slice(steps, sizes, output, limit_elems, min_slices, forced):
-    """Our slicer (used when cotengra does not slice): add the mode that most lowers the
-    largest intermediate (ties: least total work) until the limit and ``min_slices`` hold."""
+    """Our slicer (also extends cotengra's slicing): add the mode that most lowers one slice's
+    forward + backward working set (:func:`_cost`; ties: least total work) until it and every
+    intermediate fit the limit and ``min_slices`` holds."""
     sliced = list(forced)
     sset = set(sliced)
     out_size = lambda s: math.prod(sizes[m] for m in output if m not in s)  # noqa: E731
     while True:
-        flops, largest = _cost(steps, sizes, sset)
-        largest = max(largest, out_size(sset))
+        flops, largest, working = _cost(steps, sizes, sset, limit_elems)
+        need = max(largest, working, out_size(sset))
         nslices = math.prod(sizes[m] for m in sliced)
-        over = limit_elems is not None and largest > limit_elems
+        over = limit_elems is not None and need > limit_elems
         if not over and nslices >= (min_slices or 1):
             return sliced
         cands = set()
-        for allm, res in steps:
-            if not over or math.prod(sizes[m] for m in res if m not in sset) > limit_elems:
-                cands.update(m for m in (allm if not over else res) if m not in sset and sizes[m] > 1)
+        for allm, res, _, _ in steps:
+            cands.update(m for m in (res if over else allm) if m not in sset and sizes[m] > 1)
         if over:
             cands.update(m for m in output if m not in sset and sizes[m] > 1)
         if not cands:
             if over:
                 raise ValueError(
-                    f"memory_limit cannot be met: even with modes {sorted(sset)} sliced, the largest "
-                    f"intermediate has {largest} elements (limit {limit_elems} elements)")
+                    f"memory_limit cannot be met: even with modes {sorted(sset)} sliced, one slice's "
+                    f"forward + backward working set is {need} elements (limit {limit_elems} elements; "
+                    f"largest intermediate {largest} elements)")
             raise ValueError(f"slicing: cannot reach min_slices={min_slices}; only {nslices} slice(s) possible")
         best, best_key = None, None
         for m in sorted(cands):
             s2 = sset | {m}
-            f2, l2 = _cost(steps, sizes, s2)
-            l2 = max(l2, out_size(s2))
+            f2, l2, w2 = _cost(steps, sizes, s2, limit_elems)
+            need2 = max(l2, w2, out_size(s2))
             total = f2 * nslices * sizes[m]
-            key = (l2 if over else 0, total, -sizes[m])
+            # over the limit: the mode that lowers the need most, where any that meets the limit ties
+            # and the least total work decides
+            key = (max(need2, limit_elems) if over else 0, total, -sizes[m])
             if best_key is None or key < best_key:
                 best, best_key = m, key
         sliced.append(best)
@@ -997,7 +1079,7 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     return best[1:]
 
 
-def _compile(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False):
+def _compile(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False, checkpoints=()):
     """Program (see csrc/contract.cpp) and per step (multiply-adds, result elements, GEMM
     operand elements)."""
     slot_of_k = {m: k for k, m in enumerate(sliced)}
@@ -1030,7 +1112,10 @@ def _compile(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False):
     consumer = _consumer_groups(lay, cur, path, count)
     steps = []
     nslot = len(inputs)
-    for pair in path:
+    checkpoints = set(checkpoints)
+    for j, pair in enumerate(path):
+        if j in checkpoints:
+            prog.append(_CHECKPOINT)
         p, q = sorted(pair)
         sb = cur.pop(q)
         sa = cur.pop(p)
@@ -1097,6 +1182,8 @@ def _compile(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False):
             rb = prog[i + 5 + ra]
             rc = prog[i + 12 + ra + rb]
             i += 13 + ra + rb + rc
+        elif op == _CHECKPOINT:
+            i += 1
         else:
             i += 3 + prog[i + 2]
             i += 1 + 2 * prog[i]
