@@ -8,9 +8,12 @@ the program in C++ through ATen (``torch.ops.torch_gradops.contract_program``): 
 all slices (one per slice with ``progress=True``), no per-step Python.
 
 Gradients (:class:`ContractFunction`) recompute one slice at a time in C++
-(``contract_program_backward``) and accumulate each operand's gradient across slices, so the
-memory of forward + backward stays one slice's intermediates plus operands and gradients,
-whatever the number of slices. ``create_graph=True`` and forward-mode AD express the
+(``contract_program_backward``; a slice whose intermediates together exceed the budget is
+recomputed segment by segment between checkpoints) and accumulate each operand's gradient
+across slices. ``memory_limit`` bounds the modelled working set of one slice's forward +
+backward (:attr:`ContractionPlan.slice_working_set`), so the peak extra memory of forward +
+backward stays within about ``memory_limit`` + operands + their gradients, whatever the
+number of slices (and the forward alone within ``memory_limit`` + operands). ``create_graph=True`` and forward-mode AD express the
 derivative of a network as further networks and contract them with this same function, so they
 are differentiable again.
 
@@ -1321,8 +1324,13 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     ``expr``: an einsum string (``"ab,bc->ac"``, implicit output, ``...``, any Unicode letter as
     a label) followed by operands or their shapes; or the interleaved form
     ``plan(a, modes_a, b, modes_b, ..., [out_modes])`` with hashable labels.
-    ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory): the largest
-    intermediate must fit; modes are sliced (as few as possible) until it does.
+    ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory): what one slice's
+    forward + backward may hold beyond operands, output and gradients
+    (:attr:`ContractionPlan.slice_working_set`, which also bounds every intermediate and the
+    forward's working memory); modes are sliced, and backward checkpoints placed, until it
+    fits. Slicing for a budget therefore costs more than slicing only the largest
+    intermediate to it (cotengra's ``target_size``): about 5-10x the largest intermediate
+    must fit.
     ``optimize``: "auto", "greedy", "optimal", "cotengra" (HyperOptimizer with its slicer), any
     opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit path.
     ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``.
