@@ -12,6 +12,9 @@
 //             are released.
 //   FINAL   : 4, slot, rf, perm[rf], n_blk, (pos, k)[n_blk]
 //             out.select(pos, index of sliced mode k)... += slot.permute(perm)
+//   CHECKPOINT: 5                              no-op forward; the backward keeps the live slots
+//             here and recomputes one segment between checkpoints at a time (see
+//             contract_program_backward)
 //
 // Slots 0..n_operands-1 hold the operands; every CONTRACT creates a new slot. A "slice table"
 // holds one row of n_sliced indices per slice to run; the op runs all rows in one call and sums
@@ -33,7 +36,7 @@ namespace torch_gradops {
 namespace {
 
 constexpr int64_t kVersion = 1;
-enum Op : int64_t { kSelect = 1, kSum = 2, kContract = 3, kFinal = 4 };
+enum Op : int64_t { kSelect = 1, kSum = 2, kContract = 3, kFinal = 4, kCheckpoint = 5 };
 
 struct Instr {
   int64_t op = 0;
@@ -51,6 +54,8 @@ struct Program {
   int64_t n_operands = 0, n_sliced = 0, n_slots = 0;
   std::vector<int64_t> out_shape;
   std::vector<Instr> instrs;
+  std::vector<size_t> checkpoints;  // instruction indices of the CHECKPOINTs
+  std::vector<size_t> consumer;     // per slot: the CONTRACT or FINAL that uses it
 };
 
 // Bounds-checked reader: a malformed program is an error, never an out-of-range read.
@@ -116,6 +121,9 @@ Program decode(at::IntArrayRef prog, int64_t n_given) {
         in.n = r.next();
         in.shape_c = r.vec(r.next());
         break;
+      case kCheckpoint:
+        P.checkpoints.push_back(static_cast<size_t>(t));
+        break;
       case kFinal: {
         in.slot = slot_ok(r.next());
         in.perm = r.vec(r.next());
@@ -136,6 +144,12 @@ Program decode(at::IntArrayRef prog, int64_t n_given) {
   TORCH_CHECK(!P.instrs.empty() && P.instrs.back().op == kFinal,
               "contract_program: program has no FINAL instruction");
   TORCH_CHECK(r.i == prog.size(), "contract_program: trailing ints after the program");
+  P.consumer.assign(P.n_slots, P.instrs.size());
+  for (size_t t = 0; t < P.instrs.size(); ++t) {
+    const Instr& in = P.instrs[t];
+    if (in.op == kContract) P.consumer[in.a] = P.consumer[in.b] = t;
+    if (in.op == kFinal) P.consumer[in.slot] = t;
+  }
   return P;
 }
 
@@ -194,19 +208,33 @@ struct Saved {
 // Except in kRun, shapes are tracked so that `sum_shapes` gets the pre-sum shape of each SUM.
 enum class Mode { kRun, kRecord, kBackward, kReplay };
 
-at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* idx, Mode mode,
+// The slots of one slice (and, except in kRun, their shapes) while a program runs.
+struct State {
+  std::vector<at::Tensor> slots;
+  std::vector<std::vector<int64_t>> shp;
+};
+
+State initial_state(const Program& P, at::TensorList operands, bool track) {
+  State st;
+  st.slots.resize(P.n_slots);
+  st.shp.resize(track ? P.n_slots : 0);
+  for (int64_t i = 0; i < P.n_operands; ++i) {
+    st.slots[i] = operands[i];
+    if (track) st.shp[i] = operands[i].sizes().vec();
+  }
+  return st;
+}
+
+// Runs instructions [t0, t1) on `st`; returns FINAL's result (kRun, kRecord) when it is reached.
+// kBackward skips every GEMM whose result no instruction in [t0, t1) but FINAL uses.
+at::Tensor run_range(const Program& P, State& st, const int64_t* idx, Mode mode, size_t t0, size_t t1,
                      std::vector<Saved>* saved = nullptr, const std::vector<char>* needs = nullptr,
                      std::vector<std::vector<int64_t>>* sum_shapes = nullptr, at::TensorList replay = {}) {
-  std::vector<at::Tensor> slots(P.n_slots);
+  std::vector<at::Tensor>& slots = st.slots;
+  std::vector<std::vector<int64_t>>& shp = st.shp;
   const bool track = mode != Mode::kRun;
-  std::vector<std::vector<int64_t>> shp(track ? P.n_slots : 0);
-  for (int64_t i = 0; i < P.n_operands; ++i) {
-    slots[i] = operands[i];
-    if (track) shp[i] = operands[i].sizes().vec();
-  }
-  const int64_t final_slot = P.instrs.back().slot;
   size_t r = 0;
-  for (size_t t = 0; t < P.instrs.size(); ++t) {
+  for (size_t t = t0; t < t1; ++t) {
     const Instr& in = P.instrs[t];
     switch (in.op) {
       case kSelect:
@@ -236,7 +264,8 @@ at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* i
           } else {
             a3 = stored_a(slots[in.a], in);
             b3 = stored_b(slots[in.b], in);
-            if (mode == Mode::kRecord || in.c != final_slot)
+            const size_t use = P.consumer[in.c];
+            if (mode == Mode::kRecord || (use < t1 && P.instrs[use].op != kFinal))
               slots[in.c] = matmul3(gemm_a(a3, in), gemm_b(b3, in)).view(in.shape_c);
           }
           Saved& s = (*saved)[t];
@@ -255,6 +284,8 @@ at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* i
         slots[in.b] = at::Tensor();
         break;
       }
+      case kCheckpoint:
+        break;
       case kFinal:
         if (mode == Mode::kRun || mode == Mode::kRecord) return slots[in.slot].permute(in.perm);
         TORCH_CHECK(mode != Mode::kReplay || r == replay.size(),
@@ -262,7 +293,16 @@ at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* i
         return at::Tensor();
     }
   }
-  TORCH_CHECK(false, "contract_program: unreachable");
+  return at::Tensor();
+}
+
+at::Tensor run_slice(const Program& P, at::TensorList operands, const int64_t* idx, Mode mode,
+                     std::vector<Saved>* saved = nullptr, const std::vector<char>* needs = nullptr,
+                     std::vector<std::vector<int64_t>>* sum_shapes = nullptr, at::TensorList replay = {}) {
+  State st = initial_state(P, operands, mode != Mode::kRun);
+  at::Tensor r = run_range(P, st, idx, mode, 0, P.instrs.size(), saved, needs, sum_shapes, replay);
+  TORCH_CHECK(mode == Mode::kBackward || mode == Mode::kReplay || r.defined(), "contract_program: unreachable");
+  return r;
 }
 
 std::vector<int64_t> inverse(const std::vector<int64_t>& perm) {
@@ -382,47 +422,90 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
   std::vector<std::vector<int64_t>> sum_shapes(P.instrs.size());
   const std::vector<int64_t> fin_inv = inverse(fin.perm);
   TORCH_CHECK(cached.empty() || rows == 1, "contract_program_backward: cached GEMM operands need a single slice");
+  // Segments between CHECKPOINTs (one segment without them, or with the forward's cache).
+  std::vector<size_t> bounds{0};
+  if (cached.empty()) bounds.insert(bounds.end(), P.checkpoints.begin(), P.checkpoints.end());
+  bounds.push_back(P.instrs.size());
+  const size_t nseg = bounds.size() - 1;
+  // An operand's gradient is complete once the reverse sweep has passed the first SUM or
+  // CONTRACT that reads it: add it to the caller's buffer there and free it.
+  std::vector<std::vector<int64_t>> done_at(P.instrs.size());
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> selects(P.n_operands);
+  {
+    std::vector<char> seen(P.n_operands, 0);
+    for (size_t t = 0; t < P.instrs.size(); ++t) {
+      const Instr& in = P.instrs[t];
+      std::vector<int64_t> reads;
+      if (in.op == kSelect) selects[in.slot].emplace_back(in.dim, in.k);
+      if (in.op == kSum) reads = {in.slot};
+      if (in.op == kContract) reads = {in.a, in.b};
+      if (in.op == kFinal) reads = {in.slot};
+      for (int64_t s : reads)
+        if (s < P.n_operands && !seen[s]) {
+          seen[s] = 1;
+          done_at[t].push_back(s);
+        }
+    }
+  }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* idx = P.n_sliced ? slice_table.data() + row * P.n_sliced : nullptr;
     std::fill(saved.begin(), saved.end(), Saved{});
-    run_slice(P, operands, idx, cached.empty() ? Mode::kBackward : Mode::kReplay, &saved, &needs, &sum_shapes,
-              cached);
     std::fill(g.begin(), g.end(), at::Tensor());
-    g[fin.slot] = block_of(g_out, fin, idx).permute(fin_inv);
-    for (int64_t t = static_cast<int64_t>(P.instrs.size()) - 1; t >= 0; --t) {
-      const Instr& in = P.instrs[t];
-      if (in.op == kSum) {
-        if (!g[in.slot].defined()) continue;
-        at::Tensor x = g[in.slot];
-        std::vector<int64_t> dims = in.dims;
-        std::sort(dims.begin(), dims.end());
-        for (int64_t d : dims) x = x.unsqueeze(d);
-        g[in.slot] = x.expand(sum_shapes[t]);
-      } else if (in.op == kContract) {
-        if (!g[in.c].defined()) continue;
-        const Saved& s = saved[t];
-        at::Tensor gc3 = g[in.c].reshape({in.bt, in.m, in.n});
-        // dA = dC B^H, dB = A^H dC (torch.matmul's complex convention), back in stored layout
-        if (needs[in.a]) {
-          at::Tensor ga = in.ta ? matmul3(gemm_b(s.b3, in), gc3.mH()).conj()  // [Bt,K,M] = (dC B^H)^T
-                                : matmul3(gc3, gemm_b(s.b3, in).mH());
-          g[in.a] = ga.resolve_conj().reshape(s.shape_a).permute(inverse(in.perm_a));
-        }
-        if (needs[in.b]) {
-          at::Tensor gb = in.tb ? matmul3(gc3.transpose(1, 2), gemm_a(s.a3, in).conj())  // [Bt,N,K] = (A^H dC)^T
-                                : matmul3(gemm_a(s.a3, in).mH(), gc3);
-          g[in.b] = gb.resolve_conj().reshape(s.shape_b).permute(inverse(in.perm_b));
-        }
-        g[in.c] = at::Tensor();
-        saved[t] = Saved{};  // free as we go: the reverse sweep only shrinks memory
+    // Forward to the last checkpoint, keeping the live slots at each one (tensor handles).
+    std::vector<std::vector<at::Tensor>> snaps(nseg);
+    {
+      State st = initial_state(P, operands, /*track=*/false);
+      for (size_t j = 0; j + 1 < nseg; ++j) {
+        snaps[j] = st.slots;
+        run_range(P, st, idx, Mode::kRun, bounds[j], bounds[j + 1]);
       }
+      snaps[nseg - 1] = std::move(st.slots);
     }
-    for (int64_t i = 0; i < P.n_operands; ++i) {
-      if (!needs[i] || !g[i].defined()) continue;
-      at::Tensor view = grads[i];
-      for (const auto& in : P.instrs)  // SELECTs of an operand come before anything else on it
-        if (in.op == kSelect && in.slot == i) view = view.select(in.dim, idx[in.k]);
-      view.add_(g[i]);
+    g[fin.slot] = block_of(g_out, fin, idx).permute(fin_inv);
+    for (size_t j = nseg; j-- > 0;) {
+      // Recompute this segment from its checkpoint keeping its GEMM operands, then sweep back.
+      State st;
+      st.slots = std::move(snaps[j]);
+      st.shp.resize(P.n_slots);
+      for (int64_t s = 0; s < P.n_slots; ++s)
+        if (st.slots[s].defined()) st.shp[s] = st.slots[s].sizes().vec();
+      run_range(P, st, idx, cached.empty() ? Mode::kBackward : Mode::kReplay, bounds[j], bounds[j + 1], &saved,
+                &needs, &sum_shapes, cached);
+      for (size_t t = bounds[j + 1]; t-- > bounds[j];) {
+        const Instr& in = P.instrs[t];
+        if (in.op == kSum) {
+          if (g[in.slot].defined()) {
+            at::Tensor x = g[in.slot];
+            std::vector<int64_t> dims = in.dims;
+            std::sort(dims.begin(), dims.end());
+            for (int64_t d : dims) x = x.unsqueeze(d);
+            g[in.slot] = x.expand(sum_shapes[t]);
+          }
+        } else if (in.op == kContract && g[in.c].defined()) {
+          const Saved& s = saved[t];
+          at::Tensor gc3 = g[in.c].reshape({in.bt, in.m, in.n});
+          g[in.c] = at::Tensor();
+          // dA = dC B^H, dB = A^H dC (torch.matmul's complex convention), back in stored layout
+          if (needs[in.a]) {
+            at::Tensor ga = in.ta ? matmul3(gemm_b(s.b3, in), gc3.mH()).conj()  // [Bt,K,M] = (dC B^H)^T
+                                  : matmul3(gc3, gemm_b(s.b3, in).mH());
+            g[in.a] = ga.resolve_conj().reshape(s.shape_a).permute(inverse(in.perm_a));
+          }
+          if (needs[in.b]) {
+            at::Tensor gb = in.tb ? matmul3(gc3.transpose(1, 2), gemm_a(s.a3, in).conj())  // [Bt,N,K] = (A^H dC)^T
+                                  : matmul3(gemm_a(s.a3, in).mH(), gc3);
+            g[in.b] = gb.resolve_conj().reshape(s.shape_b).permute(inverse(in.perm_b));
+          }
+          saved[t] = Saved{};  // free as we go: the reverse sweep only shrinks memory
+        }
+        for (int64_t i : done_at[t]) {
+          if (!needs[i] || !g[i].defined()) continue;
+          at::Tensor view = grads[i];
+          for (const auto& [dim, k] : selects[i]) view = view.select(dim, idx[k]);
+          view.add_(g[i]);
+          g[i] = at::Tensor();
+        }
+      }
     }
   }
   return grads;

@@ -459,18 +459,23 @@ def test_plan_gradients_low_level():
 
 
 def test_sliced_backward_peak_memory_is_bounded():
-    """forward+backward of a sliced network stays within a few times the slice budget plus
-    operands and gradients, while autograd through the same slices (what cotengra + autograd
-    does) holds every slice's intermediates until backward."""
+    """forward+backward of a plan made with memory_limit stays within memory_limit plus
+    operands and their gradients, whatever the number of slices, while autograd through the
+    same slices (what cotengra + autograd does) holds every slice's intermediates until
+    backward."""
     gen = torch.Generator().manual_seed(16)
     n, k = 48, 6
     expr = "ax,bx,cx,ay,by,cy->"
     ops = [_rand((n, k), gen=gen, requires_grad=True) for _ in range(6)]
     path = [(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)]
-    limit = 8 * n * n  # one n x n float64 matrix
+    limit = 4 * 8 * n * n  # four n x n float64 matrices
     p = tn.plan(expr, *ops, optimize=path, memory_limit=limit)
+    # the same budget, four times the slices
+    more = tn.plan(expr, *ops, optimize=path, memory_limit=limit, slicing={"min_slices": 4 * p.num_slices})
     unsliced = tn.plan(expr, *ops, optimize=path)
-    assert p.num_slices >= 16 and unsliced.largest_intermediate[1] >= 16 * limit
+    assert p.num_slices >= 16 and more.num_slices >= 4 * p.num_slices
+    assert p.slice_working_set <= limit and more.slice_working_set <= limit
+    assert unsliced.largest_intermediate[1] >= 8 * limit
     operand_bytes = sum(o.numel() * 8 for o in ops)
 
     def ours(plan):
@@ -496,13 +501,58 @@ def test_sliced_backward_peak_memory_is_bounded():
 
     ours(p)()  # warm up (allocator, thread pools)
     peak_sliced = _peak_bytes(ours(p))
+    peak_more = _peak_bytes(ours(more))
     peak_unsliced = _peak_bytes(ours(unsliced))
     peak_naive = _peak_bytes(per_slice_autograd)
-    bound = 4 * limit + 2 * operand_bytes + 64 * 1024
+    # memory_limit + the operands' gradient buffers + one slice's gradient of an operand while
+    # it is added in + 1 KiB for 0-dim tensors (output, its gradient, loss)
+    bound = limit + 2 * operand_bytes + 1024
     assert peak_sliced <= bound, (peak_sliced, bound)
-    assert peak_sliced <= 2 * p.slice_working_set + 2 * operand_bytes + 64 * 1024
+    assert peak_more <= bound, (peak_more, bound)
+    assert peak_more <= peak_sliced + 1024  # more slices: no more memory
     assert peak_unsliced > 4 * peak_sliced
     assert peak_naive > 4 * peak_sliced, (peak_naive, peak_sliced)
+
+
+@pytest.mark.parametrize("dtype", [F64, C128])
+def test_checkpointed_backward_matches_and_bounds_memory(dtype):
+    """CHECKPOINTs split the backward's recomputation into segments: same values and
+    gradients; the plan places them when storing a whole slice would exceed memory_limit."""
+    gen = torch.Generator().manual_seed(33)
+    expr, ops = _ladder(gen, dtype=dtype, n=6, chi=3)
+    p = tn.plan(expr, *ops, slicing={"min_slices": 4})
+    table = list(p._table(None))
+    g = _rand(p.output_shape, dtype, gen)
+    needs = [1] * len(ops)
+    ref_out = torch.ops.torch_gradops.contract_program(ops, list(p._compiled.program), table)
+    ref = torch.ops.torch_gradops.contract_program_backward(ops, list(p._compiled.program), table, g, needs, [])
+    steps = len(p.path)
+    for cps in ([1], [2, 5], [3, steps - 1], list(range(1, steps))):
+        prog, _ = tn._compile(p._eff_inputs, p._eff_output, p._ids, p.path, p._sliced,
+                              torch.empty((), dtype=dtype).element_size(), dtype.is_complex, cps)
+        assert sum(1 for x in prog if x == tn._CHECKPOINT) >= len(cps)
+        _close(torch.ops.torch_gradops.contract_program(ops, list(prog), table), ref_out)
+        got = torch.ops.torch_gradops.contract_program_backward(ops, list(prog), table, g, needs, [])
+        for x, y in zip(got, ref):
+            _close(x, y)
+    # a deep network whose intermediates all together exceed the budget: the plan checkpoints
+    from torch_gradops._demo_tensornet import circuit_amplitude_network
+    inputs, output, arrays = circuit_amplitude_network(3, 3, 8, seed=2, dtype=dtype if dtype.is_complex else C128)
+    args = [x for t, a in zip(inputs, arrays) for x in (a, t)] + [list(output)]
+    full = tn.plan(*args, optimize="greedy")
+    limit = full.slice_working_set // 3
+    cp = tn.plan(*args, optimize="greedy", memory_limit=limit)
+    assert cp.checkpoints and cp.slice_working_set <= limit
+    leaves = [a.clone().requires_grad_(True) for a in arrays]
+    ref_leaves = [a.clone().requires_grad_(True) for a in arrays]
+    out = cp.contract(*leaves)
+    ref_out = full.contract(*ref_leaves)
+    _close(out, ref_out)
+    for x, y in zip(torch.autograd.grad(out.abs(), leaves), torch.autograd.grad(ref_out.abs(), ref_leaves)):
+        _close(x, y)
+    operand_bytes = sum(a.numel() * a.element_size() for a in arrays)
+    peak = _peak_bytes(lambda: torch.autograd.grad(cp.contract(*leaves).abs(), leaves))
+    assert peak <= limit + 2 * operand_bytes + 1024, (peak, limit)
 
 
 # ---------------------------------------------------------------------------- plan cache

@@ -8,9 +8,12 @@ the program in C++ through ATen (``torch.ops.torch_gradops.contract_program``): 
 all slices (one per slice with ``progress=True``), no per-step Python.
 
 Gradients (:class:`ContractFunction`) recompute one slice at a time in C++
-(``contract_program_backward``) and accumulate each operand's gradient across slices, so the
-memory of forward + backward stays one slice's intermediates plus operands and gradients,
-whatever the number of slices. ``create_graph=True`` and forward-mode AD express the
+(``contract_program_backward``; a slice whose intermediates together exceed the budget is
+recomputed segment by segment between checkpoints) and accumulate each operand's gradient
+across slices. ``memory_limit`` bounds the modelled working set of one slice's forward +
+backward (:attr:`ContractionPlan.slice_working_set`), so the peak extra memory of forward +
+backward stays within about ``memory_limit`` + operands + their gradients, whatever the
+number of slices (and the forward alone within ``memory_limit`` + operands). ``create_graph=True`` and forward-mode AD express the
 derivative of a network as further networks and contract them with this same function, so they
 are differentiable again.
 
@@ -35,7 +38,7 @@ __all__ = ["contract", "plan", "ContractionPlan", "ContractFunction", "parse_mem
            "plan_cache_info", "clear_plan_cache"]
 
 _VERSION = 1
-_SELECT, _SUM, _CONTRACT, _FINAL = 1, 2, 3, 4
+_SELECT, _SUM, _CONTRACT, _FINAL, _CHECKPOINT = 1, 2, 3, 4, 5
 
 
 # ---------------------------------------------------------------------------- fake kernels
@@ -76,6 +79,8 @@ def _cached_shapes(program, needs_grad):
             shapes.append(((bt, n, k) if tb else (bt, k, n)) if needs[a] else (0,))
             needs[c] = needs[a] or needs[b]
             i += 13 + ra + rb + rc
+        elif op == _CHECKPOINT:
+            i += 1
         else:
             break
     return shapes
@@ -372,10 +377,14 @@ class ContractionPlan:
             the modes' indices, last mode fastest).
         flops: real floating-point operations of all slices (a complex multiply-add counts 8).
         largest_intermediate: ``(elements, bytes)`` of the largest tensor a step creates, per
-            slice: what ``memory_limit`` bounds.
-        slice_working_set: bytes of all GEMM operands of one slice, what a slice's backward
-            keeps at most (the sliced backward's peak is about this plus operands and gradients,
-            whatever the number of slices).
+            slice.
+        slice_working_set: bytes that one slice's forward + backward holds at most, beyond the
+            operands, the output and the gradients (model: every intermediate of the slice but
+            the last, as the backward's recomputation keeps them, plus twice the operands and
+            result of the largest step for its gradients and copies). ``memory_limit`` bounds
+            this (and so also the largest intermediate and the forward's working memory): the
+            peak extra memory of forward + backward is about ``memory_limit`` + operands +
+            their gradients + output, whatever the number of slices.
     """
 
     def __init__(self, *, expr, inputs, output, shapes, dtype, device_type, path, sliced, sizes,
@@ -400,17 +409,22 @@ class ContractionPlan:
         self.slice_extents = tuple(sized[m] for m in sliced)
         self.num_slices = int(math.prod(self.slice_extents))
         self.output_shape = tuple(sized[m] for m in eff_output)
-        program, steps = _compile(eff_inputs, eff_output, sized, self.path, self._sliced)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        # what one slice's forward + backward holds (model: see _working_set), with as few
+        # backward checkpoints as keep it within memory_limit
+        working, checkpoints = _working_set(_step_table(eff_inputs, eff_output, sized, self.path), sized,
+                                            set(sliced), None if memory_limit is None else memory_limit // itemsize)
+        self.slice_working_set = int(working * itemsize)
+        self.checkpoints = tuple(checkpoints)
+        program, steps = _compile(eff_inputs, eff_output, sized, self.path, self._sliced, itemsize,
+                                  dtype.is_complex, checkpoints)
         self._compiled = _Compiled(tuple(program), self)
         self._compiled_cached = _Compiled(self._compiled.program, self, cache=True)
-        itemsize = torch.empty((), dtype=dtype).element_size()
         cplx = dtype.is_complex
         per_slice = sum(s[0] for s in steps)
         self.flops = int(per_slice * 2 * (4 if cplx else 1) * self.num_slices)
         largest = max([s[1] for s in steps] + [math.prod(sized[m] for m in eff_output if m not in set(sliced))])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
-        # what one slice's backward holds at most: every GEMM operand of the slice (bytes)
-        self.slice_working_set = int(sum(st[2] for st in steps) * itemsize)
         self._tables: Dict[Any, Tuple[int, ...]] = {}
 
     # -- slices --------------------------------------------------------------------------
@@ -521,7 +535,8 @@ class ContractionPlan:
                 return _TraceableContract.apply(self._compiled, table, *eff)
             # unsliced and gradients wanted: keep the step results for the backward
             # (a sliced plan recomputes per slice instead: that is its memory bound)
-            cache = self.num_slices == 1 and torch.is_grad_enabled() and any(t.requires_grad for t in eff)
+            cache = self.num_slices == 1 and not self.checkpoints and torch.is_grad_enabled() and \
+                any(t.requires_grad for t in eff)
             return ContractFunction.apply(self._compiled_cached if cache else self._compiled, table, *eff)
         return ops.contract_program(eff, list(prog), list(table))
 
@@ -622,7 +637,7 @@ class ContractionPlan:
                 f"device_type={self.device_type!r}, optimizer={self.optimizer!r}, path={path} "
                 f"({len(self.path)} steps), sliced_modes={list(self.sliced_modes)}, num_slices={self.num_slices}, "
                 f"flops={self.flops:.4g}, largest_intermediate={li_el} elements ({_fmt_bytes(li_b)}), "
-                f"slice_working_set={_fmt_bytes(self.slice_working_set)}, "
+                f"slice_working_set={_fmt_bytes(self.slice_working_set)}, checkpoints={len(self.checkpoints)}, "
                 f"memory_limit={None if self.memory_limit is None else _fmt_bytes(self.memory_limit)})")
 
 
@@ -659,18 +674,21 @@ def _mode_counts(inputs, output) -> Dict[int, int]:
 
 
 def _step_table(inputs, output, sizes, path):
-    """Per pairwise step: (frozenset of modes involved, frozenset of result modes), with
-    hyperedges kept while any remaining operand or the output needs them."""
+    """Per pairwise step: (frozenset of modes involved, frozenset of result modes, the two
+    operands' mode sets, the steps that produced them or -1 for operands), with hyperedges
+    kept while any remaining operand or the output needs them."""
     count = _mode_counts(inputs, output)
     cur = [frozenset(m for m in t if not (count[m] == 1)) for t in inputs]  # single-use: summed first
+    prod = [-1] * len(cur)
     for t in inputs:
         for m in t:
             if count[m] == 1:
                 count[m] = 0
     steps = []
-    for pair in path:
+    for j, pair in enumerate(path):
         pair = sorted(pair, reverse=True)
         sets = [cur.pop(p) for p in pair]
+        prods = [prod.pop(p) for p in pair]
         allm = frozenset().union(*sets)
         for s in sets:
             for m in s:
@@ -679,51 +697,119 @@ def _step_table(inputs, output, sizes, path):
         for m in res:
             count[m] += 1
         cur.append(res)
-        steps.append((allm, res))
+        prod.append(j)
+        steps.append((allm, res, tuple(sets), tuple(prods)))
     return steps
 
 
-def _cost(steps, sizes, sliced) -> Tuple[int, int]:
-    """(multiply-adds of one slice, largest step result in elements) with ``sliced`` removed."""
+def _working_set(steps, sizes, sliced, limit=None):
+    """(elements one slice's forward + backward holds, checkpoints): the model of what the
+    executor keeps, and the steps before which its backward checkpoints.
+
+    The backward recomputes a slice segment by segment: a forward pass keeps the live
+    intermediates at each checkpoint, then, from the last segment to the first, it recomputes
+    the segment from its checkpoint keeping every step's inputs and sweeps back through it,
+    freeing each step's inputs as it creates their gradients. Held at once, at most: the
+    checkpoints up to the segment, the segment's step inputs, the gradients of the
+    intermediates live at its end, and the temporaries of one step (twice its operands and
+    result: gradients, and the copies a permuted reshape or a conjugation can make).
+    Operands, the output and operand gradients (added into their buffers as soon as they are
+    complete) are not counted. No checkpoints (one segment) is fastest; with ``limit``, the
+    fewest checkpoints (greedy segments of geometrically shrinking size) that fit it, else
+    the smallest working set found."""
+    n = len(steps)
+    if n == 0:
+        return 0, []
+    c, held_in, peak = [], [], 0
+    consumer = [n] * n
+    for j, (allm, res, sets, prods) in enumerate(steps):
+        c.append(math.prod(sizes[m] for m in res if m not in sliced))
+        ins = [math.prod(sizes[m] for m in s if m not in sliced) for s in sets]
+        held_in.append(sum(x for x, p in zip(ins, prods) if p >= 0))
+        for p in prods:
+            if p >= 0:
+                consumer[p] = j
+        peak = max(peak, 2 * (sum(ins) + c[-1]))
+
+    def ckpt(b):  # intermediates made before step b and used at or after it
+        return sum(c[p] for p in range(b) if consumer[p] >= b and consumer[p] < n)
+
+    def evaluate(bounds):
+        edges = bounds + [n]
+        total_ck, worst = 0, 0
+        for j in range(len(bounds)):
+            total_ck += ckpt(edges[j])
+            seg = sum(held_in[edges[j]:edges[j + 1]])
+            worst = max(worst, total_ck + seg + (ckpt(edges[j + 1]) if edges[j + 1] < n else 0))
+        return worst + peak
+
+    whole = sum(held_in)
+    best = (evaluate([0]), [0])
+    if limit is None or best[0] <= limit:
+        return best[0], []
+    target = whole / 2
+    floor = max(held_in)
+    while target >= floor and target > 0:
+        bounds, acc = [0], 0
+        for j in range(n):
+            if acc and acc + held_in[j] > target:
+                bounds.append(j)
+                acc = 0
+            acc += held_in[j]
+        w = evaluate(bounds)
+        if w <= limit:
+            return w, bounds[1:]
+        if w < best[0]:
+            best = (w, bounds)
+        target /= 2
+    return best[0], best[1][1:]
+
+
+def _cost(steps, sizes, sliced, limit=None) -> Tuple[int, int, int]:
+    """(multiply-adds of one slice, largest step result, working set of one slice's forward +
+    backward (:func:`_working_set`)), in elements, with ``sliced`` removed."""
     flops, largest = 0, 0
-    for allm, res in steps:
+    for allm, res, _, _ in steps:
         flops += math.prod(sizes[m] for m in allm if m not in sliced)
         largest = max(largest, math.prod(sizes[m] for m in res if m not in sliced))
-    return flops, largest
+    return flops, largest, _working_set(steps, sizes, sliced, limit)[0]
 
 
 def _greedy_slice(steps, sizes, output, limit_elems, min_slices, forced):
-    """Our slicer (used when cotengra does not slice): add the mode that most lowers the
-    largest intermediate (ties: least total work) until the limit and ``min_slices`` hold."""
+    """Our slicer (also extends cotengra's slicing): add the mode that most lowers one slice's
+    forward + backward working set (:func:`_cost`; ties: least total work) until it and every
+    intermediate fit the limit and ``min_slices`` holds."""
     sliced = list(forced)
     sset = set(sliced)
     out_size = lambda s: math.prod(sizes[m] for m in output if m not in s)  # noqa: E731
     while True:
-        flops, largest = _cost(steps, sizes, sset)
-        largest = max(largest, out_size(sset))
+        flops, largest, working = _cost(steps, sizes, sset, limit_elems)
+        need = max(largest, working, out_size(sset))
         nslices = math.prod(sizes[m] for m in sliced)
-        over = limit_elems is not None and largest > limit_elems
+        over = limit_elems is not None and need > limit_elems
         if not over and nslices >= (min_slices or 1):
             return sliced
         cands = set()
-        for allm, res in steps:
-            if not over or math.prod(sizes[m] for m in res if m not in sset) > limit_elems:
-                cands.update(m for m in (allm if not over else res) if m not in sset and sizes[m] > 1)
+        for allm, res, _, _ in steps:
+            cands.update(m for m in (res if over else allm) if m not in sset and sizes[m] > 1)
         if over:
             cands.update(m for m in output if m not in sset and sizes[m] > 1)
         if not cands:
             if over:
                 raise ValueError(
-                    f"memory_limit cannot be met: even with modes {sorted(sset)} sliced, the largest "
-                    f"intermediate has {largest} elements (limit {limit_elems} elements)")
+                    f"memory_limit cannot be met: even with modes {sorted(sset)} sliced, one slice's "
+                    f"forward + backward working set is {need} elements (limit {limit_elems} elements; "
+                    f"largest intermediate {largest} elements)")
             raise ValueError(f"slicing: cannot reach min_slices={min_slices}; only {nslices} slice(s) possible")
         best, best_key = None, None
         for m in sorted(cands):
             s2 = sset | {m}
-            f2, l2 = _cost(steps, sizes, s2)
-            l2 = max(l2, out_size(s2))
+            f2, l2, w2 = _cost(steps, sizes, s2, limit_elems)
+            need2 = max(l2, w2, out_size(s2))
             total = f2 * nslices * sizes[m]
-            key = (l2 if over else 0, total, -sizes[m])
+            # over the limit: the mode that lowers the need most, where any that meets the limit ties
+            # and the least total work decides
+            key = (max(need2, limit_elems) if over else 0, total, -sizes[m])
             if best_key is None or key < best_key:
                 best, best_key = m, key
         sliced.append(best)
@@ -801,40 +887,212 @@ def _check_path(path, n):
 
 
 # ---------------------------------------------------------------------------- compiler
-def _gemm_layout(ma, mb, left, right, count, sizes):
-    """Orders of the batch and contracted modes and whether A / B enter the GEMM transposed,
-    chosen so that A = [batch, left, contr] or [batch, contr, left] and B = [batch, contr,
-    right] or [batch, right, contr] are plain views of the tensors as they lie in memory
-    (bmm takes a transposed view without copying); when that cannot hold for both, the
-    smaller tensor is the one copied."""
-    setb, seta = set(mb), set(ma)
+def _contiguous_strides(modes, sizes):
+    strides, acc = {}, 1
+    for m in reversed(modes):
+        strides[m] = acc
+        acc *= max(sizes[m], 1)
+    return strides
 
-    def fits(modes, first, second, third):
-        return modes == first + second + third
+
+def _view_orders(modes, strides, group, sizes):
+    """How a slot (``modes`` in dimension order, ``strides`` per mode) can enter a GEMM without a
+    copy: ``(orders, contr_first)`` with ``orders[g]`` the modes of group ``g`` ('b' batch, 'k'
+    contracted, 'f' free) in memory order, when the slot's memory holds the batch modes
+    outermost and then the free and the contracted modes as two blocks, each group mergeable
+    by a reshape (singleton modes fit anywhere); None when a copy is needed."""
+    seq = sorted((m for m in modes if sizes[m] > 1), key=lambda m: -strides[m])
+    blocks, runs, run = [], {}, 0
+    for j, m in enumerate(seq):
+        if j and strides[seq[j - 1]] != strides[m] * sizes[m]:
+            run += 1  # not mergeable with the previous mode (a sliced mode was selected between)
+        g = group[m]
+        if not blocks or blocks[-1] != g:
+            if g in blocks:
+                return None  # a group split in two
+            blocks.append(g)
+        if runs.setdefault(g, run) != run:
+            return None  # a group a reshape cannot merge
+    if "b" in blocks and blocks[0] != "b":
+        return None
+    orders = {g: [m for m in seq if group[m] == g] for g in "bkf"}
+    for m in modes:
+        if sizes[m] <= 1:
+            orders[group[m]].append(m)
+    rest = [g for g in blocks if g != "b"]
+    return orders, bool(rest) and rest[0] == "k"
+
+
+def _consumer_groups(lay, cur, path, count):
+    """Per intermediate slot, the role of each of its modes at the step that consumes it ('s'
+    summed first, 'b' batch, 'k' contracted, 'f' free); 'final' for the last one. Depends only
+    on the path, so the compiler can lay out each step's result for its consumer."""
+    cnt = dict(count)
+    slots = list(cur)
+    msets = [set(lay[s][0]) for s in cur]
+    nslot = len(lay)
+    consumer = {}
+    for pair in path:
+        p, q = sorted(pair)
+        sb, setb = slots.pop(q), msets.pop(q)
+        sa, seta = slots.pop(p), msets.pop(p)
+        for m in seta:
+            cnt[m] -= 1
+        for m in setb:
+            cnt[m] -= 1
+        res = set()
+        for s, mine, other in ((sa, seta, setb), (sb, setb, seta)):
+            g = {}
+            for m in mine:
+                if m in other:
+                    g[m] = "b" if cnt[m] > 0 else "k"
+                elif cnt[m] == 0:
+                    g[m] = "s"
+                else:
+                    g[m] = "f"
+            consumer[s] = g
+            res |= {m for m, r in g.items() if r in "bf"}
+        for m in res:
+            cnt[m] += 1
+        slots.append(nslot)
+        msets.append(res)
+        nslot += 1
+    if slots:
+        consumer[slots[-1]] = "final"
+    return consumer
+
+
+def _result_fits(cm, cons, sizes, kept):
+    """Whether the consumer can use a contiguous result with modes ``cm`` without a copy."""
+    seq = [m for m in cm if sizes[m] > 1]
+    if cons == "final":
+        return seq == [m for m in kept if sizes[m] > 1]
+    blocks = []
+    for m in seq:
+        g = cons[m]
+        if g == "s":
+            continue  # summed first: the sum's result is contiguous in the remaining order
+        if not blocks or blocks[-1] != g:
+            if g in blocks:
+                return False
+            blocks.append(g)
+    return "b" not in blocks or blocks[0] == "b"
+
+
+def _copy_cost(modes, strides, order, sizes, itemsize):
+    """Estimated cost, in element-copies, of copying a slot into ``order``: its elements times a
+    factor for short inner runs (a permuted copy whose innermost destination modes are not
+    contiguous in the source moves a few bytes per inner loop; measured on CPU, about
+    1 + 256 / (contiguous bytes per inner loop) times a plain copy)."""
+    run, expect = 1, 1
+    for m in reversed([m for m in order if sizes[m] > 1]):
+        if strides[m] != expect:
+            break
+        run *= sizes[m]
+        expect *= sizes[m]
+    return math.prod(sizes[m] for m in modes) * (1 + 256 / (run * itemsize))
+
+
+def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize=8, is_complex=False):
+    """Layout of one pairwise step. Each operand enters bmm as a view when its memory allows
+    ([batch, free, contr] or [batch, contr, free]; bmm takes the transposed view without
+    copying) or as a copy in any order; the result is [batch, left, right] or, computing it
+    transposed, [batch, right, left]. Among these choices, minimise the estimated cost of the
+    copies made now (:func:`_copy_cost`), plus twice the result's size when its consumer would
+    have to copy it (one step of look-ahead: the orders of a copied operand and the side of
+    the result are chosen for the consumer), plus a penalty for a result whose rows are
+    shorter than 16 elements and than its columns (measured on CPU: a [59049, 9] = [59049, 18]
+    @ [18, 9] float32 GEMM takes about 5x as long as its transpose [9, 59049]; complex GEMMs
+    care much less). Costs are in element copies. Returns (swap, per side: (copied, orders,
+    contr_first))."""
+    va = _view_orders(ma, sta, group_a, sizes)
+    vb = _view_orders(mb, stb, group_b, sizes)
+    batch = [m for m in ma if group_a[m] == "b"]
+    contr = [m for m in ma if group_a[m] == "k"]
+    left = [m for m in ma if group_a[m] == "f"]
+    right = [m for m in mb if group_b[m] == "f"]
+    mem_a = sorted(ma, key=lambda m: -sta[m])
+    mem_b = sorted(mb, key=lambda m: -stb[m])
+    size_c = math.prod(sizes[m] for m in batch + left + right)
+    size_l = math.prod(sizes[m] for m in left)
+    size_r = math.prod(sizes[m] for m in right)
+    macs = size_c * math.prod(sizes[m] for m in contr)
+    narrow = macs * (0.05 if is_complex else 1.0)  # cost of rows < 16 elements (see above)
+    nz = lambda ms: [m for m in ms if sizes[m] > 1]  # noqa: E731
+    if cons == "final":
+        keys = [{m: j for j, m in enumerate(kept)}]
+    else:
+        keys = [{m: "bkfs".index(cons[m]) for m in cons}, {m: "bfks".index(cons[m]) for m in cons}]
+
+    memo = {}
+
+    def copied(side, b, k, f):
+        """(cost, orders, contr_first) of the cheaper stored layout of a copied operand."""
+        key = (side, tuple(b), tuple(k), f)
+        if key not in memo:
+            modes, strides = (ma, sta) if side == 0 else (mb, stb)
+            f = list(f)
+            memo[key] = min((_copy_cost(modes, strides, b + (k + f if cf else f + k), sizes, itemsize), cf)
+                            for cf in (False, True)) + ({"b": b, "k": k, "f": f},)
+        cost, cf, orders = memo[key]
+        return cost, orders, cf
 
     best = None
-    for src in (ma, mb):
-        batch = [m for m in src if m in seta and m in setb and count[m] > 0]
-        contr = [m for m in src if m in seta and m in setb and count[m] == 0]
-        ta = 0 if fits(ma, batch, left, contr) else 1 if fits(ma, batch, contr, left) else 0
-        a_ok = fits(ma, batch, left, contr) or fits(ma, batch, contr, left)
-        tb = 0 if fits(mb, batch, contr, right) else 1 if fits(mb, batch, right, contr) else 0
-        b_ok = fits(mb, batch, contr, right) or fits(mb, batch, right, contr)
-        copied = (0 if a_ok else math.prod(sizes[m] for m in ma)) + (0 if b_ok else math.prod(sizes[m] for m in mb))
-        if best is None or copied < best[0]:
-            best = (copied, batch, contr, ta, tb)
+    for copy_a in ((False, True) if va else (True,)):
+        for copy_b in ((False, True) if vb else (True,)):
+            if not copy_a and not copy_b:
+                if nz(va[0]["b"]) != nz(vb[0]["b"]) or nz(va[0]["k"]) != nz(vb[0]["k"]):
+                    continue
+                shared = [(None, None)]
+            elif not copy_a:
+                shared = [(va[0]["b"], va[0]["k"])]
+            elif not copy_b:
+                shared = [(vb[0]["b"], vb[0]["k"])]
+            else:  # both copied: batch and contracted orders free; try each operand's memory order
+                shared = {(tuple(m for m in mem if m in batch), tuple(m for m in mem if m in contr))
+                          for mem in (mem_a, mem_b)}
+                shared = [(list(b), list(k)) for b, k in shared]
+            for rank in keys:
+                by = lambda ms: tuple(sorted(ms, key=lambda m: rank.get(m, 0)))  # noqa: E731
+                for b_ord, k_ord in shared:
+                    if copy_a:
+                        fa = [m for m in mem_a if m in left]
+                        opts_a = [copied(0, b_ord, k_ord, f) for f in {by(fa), tuple(fa)}]
+                    else:
+                        opts_a = [(0, va[0], va[1])]
+                    if copy_b:
+                        fb = [m for m in mem_b if m in right]
+                        opts_b = [copied(1, b_ord, k_ord, f) for f in {by(fb), tuple(fb)}]
+                    else:
+                        opts_b = [(0, vb[0], vb[1])]
+                    for cost_a, oa, cfa in opts_a:
+                        for cost_b, ob, cfb in opts_b:
+                            for swap in (0, 1):
+                                x = ob if swap else oa
+                                cm = x["b"] + (ob["f"] + oa["f"] if swap else oa["f"] + ob["f"])
+                                fits = _result_fits(cm, cons, sizes, kept)
+                                cols, rows = (size_l, size_r) if swap else (size_r, size_l)
+                                cost = cost_a + cost_b + (0 if fits else 2 * size_c) + \
+                                    (narrow if cols < 16 and rows > cols else 0)
+                                key = (cost, copy_a + copy_b, swap)
+                                if best is None or key < best[0]:
+                                    best = (key, swap, (copy_a, oa, cfa), (copy_b, ob, cfb))
+                                    if cost == 0 and not swap:
+                                        return best[1:]  # nothing is copied: cannot do better
     return best[1:]
 
 
-def _compile(inputs, output, sizes, path, sliced):
-    """Program (see csrc/contract.cpp) and per step (multiply-adds, result elements)."""
+def _compile(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False, checkpoints=()):
+    """Program (see csrc/contract.cpp) and per step (multiply-adds, result elements, GEMM
+    operand elements)."""
     slot_of_k = {m: k for k, m in enumerate(sliced)}
     sset = set(sliced)
     prog: List[int] = []
     count = _mode_counts(inputs, output)
-    cur = []
+    lay = []  # per slot: (modes in dimension order, stride per mode) as the executor will hold it
     for i, t in enumerate(inputs):
         modes = list(t)
+        strides = _contiguous_strides(modes, sizes)  # operands are assumed contiguous
         for m in sliced:  # SELECTs first: the backward views gradient buffers through them
             if m in modes:
                 d = modes.index(m)
@@ -847,51 +1105,66 @@ def _compile(inputs, output, sizes, path, sliced):
                 if count[m] == 1:
                     count[m] = 0
             modes = [m for m in modes if count[m] != 0]
-        cur.append((i, modes))
+            strides = _contiguous_strides(modes, sizes)
+        lay.append((modes, strides))
+    cur = list(range(len(inputs)))
     # sliced modes are gone everywhere
     for m in sset:
         count[m] = 0
+    kept = [m for m in output if m not in sset]
+    consumer = _consumer_groups(lay, cur, path, count)
     steps = []
     nslot = len(inputs)
-    for pair in path:
+    checkpoints = set(checkpoints)
+    for j, pair in enumerate(path):
+        if j in checkpoints:
+            prog.append(_CHECKPOINT)
         p, q = sorted(pair)
-        (sb, mb) = cur.pop(q)
-        (sa, ma) = cur.pop(p)
-        setb = set(mb)
-        seta = set(ma)
+        sb = cur.pop(q)
+        sa = cur.pop(p)
+        ma, mb = lay[sa][0], lay[sb][0]
         for m in ma:
             count[m] -= 1
         for m in mb:
             count[m] -= 1
         # modes of one side that no one else needs: sum them before the GEMM
-        for side, modes, other in ((sa, ma, setb), (sb, mb, seta)):
+        for side, other in ((sa, set(mb)), (sb, set(ma))):
+            modes = lay[side][0]
             dims = [d for d, m in enumerate(modes) if m not in other and count[m] == 0]
             if dims:
                 prog += [_SUM, side, len(dims)] + dims
-        ma = [m for m in ma if m in setb or count[m] > 0]
-        mb = [m for m in mb if m in seta or count[m] > 0]
-        setb, seta = set(mb), set(ma)
-        left = [m for m in ma if m not in setb]
-        right = [m for m in mb if m not in seta]
-        batch, contr, ta, tb = _gemm_layout(ma, mb, left, right, count, sizes)
-        pa = [ma.index(m) for m in (batch + contr + left if ta else batch + left + contr)]
-        pb = [mb.index(m) for m in (batch + right + contr if tb else batch + contr + right)]
-        bt = math.prod(sizes[m] for m in batch)
-        mm = math.prod(sizes[m] for m in left)
-        kk = math.prod(sizes[m] for m in contr)
-        nn = math.prod(sizes[m] for m in right)
-        cm = batch + left + right
-        prog += [_CONTRACT, sa, sb, nslot, len(pa)] + pa + [len(pb)] + pb + [ta, tb, bt, mm, kk, nn, len(cm)] + \
+                modes = [m for d, m in enumerate(modes) if d not in dims]
+                lay[side] = (modes, _contiguous_strides(modes, sizes))
+        (ma, sta), (mb, stb) = lay[sa], lay[sb]
+        seta, setb = set(ma), set(mb)
+        group_a = {m: ("b" if count[m] > 0 else "k") if m in setb else "f" for m in ma}
+        group_b = {m: ("b" if count[m] > 0 else "k") if m in seta else "f" for m in mb}
+        swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes,
+                                                                  consumer[nslot], kept, itemsize, is_complex)
+        # X enters bmm as [Bt,M,K] (stored [Bt,K,M] if tx), Y as [Bt,K,N] (stored [Bt,N,K] if ty)
+        (sx, mx, ox, cx, fx), (sy, my, oy, cy, fy) = ((sb, mb, ob, copy_b, cfb), (sa, ma, oa, copy_a, cfa)) if swap \
+            else ((sa, ma, oa, copy_a, cfa), (sb, mb, ob, copy_b, cfb))
+        tx = int(fx)  # stored [Bt,K,M] when the contracted modes come first
+        ty = int(not fy)
+        px = [mx.index(m) for m in (ox["b"] + ox["k"] + ox["f"] if tx else ox["b"] + ox["f"] + ox["k"])]
+        py = [my.index(m) for m in (oy["b"] + oy["f"] + oy["k"] if ty else oy["b"] + oy["k"] + oy["f"])]
+        bt = math.prod(sizes[m] for m in ox["b"])
+        mm = math.prod(sizes[m] for m in ox["f"])
+        kk = math.prod(sizes[m] for m in ox["k"])
+        nn = math.prod(sizes[m] for m in oy["f"])
+        cm = ox["b"] + ox["f"] + oy["f"]
+        prog += [_CONTRACT, sx, sy, nslot, len(px)] + px + [len(py)] + py + [tx, ty, bt, mm, kk, nn, len(cm)] + \
             [sizes[m] for m in cm]
         for m in cm:
             count[m] += 1
         steps.append((bt * mm * kk * nn, bt * mm * nn, bt * kk * (mm + nn)))
-        cur.append((nslot, cm))
+        lay.append((cm, _contiguous_strides(cm, sizes)))
+        cur.append(nslot)
         nslot += 1
     if len(cur) != 1:
         raise ValueError(f"the contraction path leaves {len(cur)} tensors; it must contract all operands into one")
-    slot, modes = cur[0]
-    kept = [m for m in output if m not in sset]
+    slot = cur[0]
+    modes = lay[slot][0]
     if sorted(modes) != sorted(kept):
         raise AssertionError(f"internal: final modes {modes} != output {kept}")
     perm = [modes.index(m) for m in kept]
@@ -912,6 +1185,8 @@ def _compile(inputs, output, sizes, path, sliced):
             rb = prog[i + 5 + ra]
             rc = prog[i + 12 + ra + rb]
             i += 13 + ra + rb + rc
+        elif op == _CHECKPOINT:
+            i += 1
         else:
             i += 3 + prog[i + 2]
             i += 1 + 2 * prog[i]
@@ -1049,8 +1324,13 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     ``expr``: an einsum string (``"ab,bc->ac"``, implicit output, ``...``, any Unicode letter as
     a label) followed by operands or their shapes; or the interleaved form
     ``plan(a, modes_a, b, modes_b, ..., [out_modes])`` with hashable labels.
-    ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory): the largest
-    intermediate must fit; modes are sliced (as few as possible) until it does.
+    ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory): what one slice's
+    forward + backward may hold beyond operands, output and gradients
+    (:attr:`ContractionPlan.slice_working_set`, which also bounds every intermediate and the
+    forward's working memory); modes are sliced, and backward checkpoints placed, until it
+    fits. Slicing for a budget therefore costs more than slicing only the largest
+    intermediate to it (cotengra's ``target_size``): about 5-10x the largest intermediate
+    must fit.
     ``optimize``: "auto", "greedy", "optimal", "cotengra" (HyperOptimizer with its slicer), any
     opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit path.
     ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``.
