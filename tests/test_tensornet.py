@@ -292,6 +292,38 @@ def test_memory_limit_slices_and_errors():
         tn.plan(expr, *ops, memory_limit=[1])
 
 
+def test_forward_only_plans_slice_less():
+    """gradients=False bounds only the intermediates (the forward), so it slices no more than
+    the default plan, which also bounds the backward; contract() picks the forward-only plan
+    when no gradient is wanted and the default one when some operand requires grad."""
+    gen = torch.Generator().manual_seed(16)
+    n, k = 48, 6
+    expr = "ax,bx,cx,ay,by,cy->"
+    ops = [_rand((n, k), gen=gen) for _ in range(6)]
+    path = [(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)]
+    limit = 4 * 8 * n * n
+    both = tn.plan(expr, *ops, optimize=path, memory_limit=limit)
+    fwd = tn.plan(expr, *ops, optimize=path, memory_limit=limit, gradients=False)
+    assert fwd.largest_intermediate[1] <= limit < fwd.slice_working_set
+    assert both.slice_working_set <= limit
+    assert fwd.num_slices < both.num_slices
+    ref = torch.einsum(expr, *ops)
+    _close(fwd.contract(*ops), ref)
+    # contract() chooses by whether gradients are wanted
+    assert tn.resolve(expr, *ops, optimize=path, memory_limit=limit)[0] is fwd
+    leaves = [o.clone().requires_grad_() for o in ops]
+    assert tn.resolve(expr, *leaves, optimize=path, memory_limit=limit)[0] is both
+    with torch.no_grad():
+        assert tn.resolve(expr, *leaves, optimize=path, memory_limit=limit)[0] is fwd
+    # a forward-only plan still differentiates correctly (its backward is just not bounded)
+    got = torch.autograd.grad(fwd.contract(*leaves), leaves)
+    want = torch.autograd.grad(torch.einsum(expr, *leaves), leaves)
+    for g, w in zip(got, want):
+        _close(g, w)
+    # without a memory limit there is one plan
+    assert tn.plan(expr, *ops, optimize=path, gradients=False) is tn.plan(expr, *ops, optimize=path)
+
+
 def test_forced_slicing_and_optimizers():
     gen = torch.Generator().manual_seed(9)
     expr, ops = _ladder(gen)

@@ -775,16 +775,17 @@ def _cost(steps, sizes, sliced, limit=None) -> Tuple[int, int, int]:
     return flops, largest, _working_set(steps, sizes, sliced, limit)[0]
 
 
-def _greedy_slice(steps, sizes, output, limit_elems, min_slices, forced):
+def _greedy_slice(steps, sizes, output, limit_elems, min_slices, forced, gradients=True):
     """Our slicer (also extends cotengra's slicing): add the mode that most lowers one slice's
     forward + backward working set (:func:`_cost`; ties: least total work) until it and every
-    intermediate fit the limit and ``min_slices`` holds."""
+    intermediate fit the limit and ``min_slices`` holds. With ``gradients=False`` only the
+    intermediates (the forward) must fit."""
     sliced = list(forced)
     sset = set(sliced)
     out_size = lambda s: math.prod(sizes[m] for m in output if m not in s)  # noqa: E731
     while True:
         flops, largest, working = _cost(steps, sizes, sset, limit_elems)
-        need = max(largest, working, out_size(sset))
+        need = max(largest, working if gradients else 0, out_size(sset))
         nslices = math.prod(sizes[m] for m in sliced)
         over = limit_elems is not None and need > limit_elems
         if not over and nslices >= (min_slices or 1):
@@ -798,13 +799,14 @@ def _greedy_slice(steps, sizes, output, limit_elems, min_slices, forced):
             if over:
                 raise ValueError(
                     f"memory_limit cannot be met: even with modes {sorted(sset)} sliced, one slice's "
-                    f"forward + backward working set is {need} elements (limit {limit_elems} elements; "
+                    f"{'forward + backward working set' if gradients else 'forward'} needs {need} elements (limit {limit_elems} elements; "
                     f"largest intermediate {largest} elements)")
             raise ValueError(f"slicing: cannot reach min_slices={min_slices}; only {nslices} slice(s) possible")
         best, best_key = None, None
         for m in sorted(cands):
             s2 = sset | {m}
             f2, l2, w2 = _cost(steps, sizes, s2, limit_elems)
+            w2 = w2 if gradients else 0
             need2 = max(l2, w2, out_size(s2))
             total = f2 * nslices * sizes[m]
             # over the limit: the mode that lowers the need most, where any that meets the limit ties
@@ -1232,7 +1234,7 @@ def _effective(terms, output, sizes, broadcast):
 
 @torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling
 def _make_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing,
-               device, interleaved=False):
+               device, interleaved=False, gradients=True):
     terms, out, sizes, broadcast = _normalize_labels(terms, output, shapes)
     labels, ids, eff_inputs, eff_output, pre, id_sizes = _effective(terms, out, sizes, broadcast)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -1276,7 +1278,7 @@ def _make_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     start = list(forced)
     if suggested:
         start += [m for m in suggested if m not in start]
-    sliced = _greedy_slice(steps, id_sizes, eff_output, limit_elems, min_slices, start)
+    sliced = _greedy_slice(steps, id_sizes, eff_output, limit_elems, min_slices, start, gradients)
     if expr is None:
         expr = "interleaved: " + ",".join("(" + ",".join(_label_str(x) for x in t) + ")" for t in terms) + \
             "->(" + ",".join(_label_str(x) for x in out) + ")"
@@ -1300,9 +1302,11 @@ def _shapes_of(operands_or_shapes):
     return shapes, tensors
 
 
-def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved):
+def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
+              gradients=True):
+    gradients = bool(gradients) or memory_limit is None  # without a limit the plans are the same
     key = (expr if expr is not None else (_freeze(terms), _freeze(output)), tuple(shapes), dtype, device.type,
-           _freeze(memory_limit), _freeze(optimize), _freeze(slicing))
+           _freeze(memory_limit), _freeze(optimize), _freeze(slicing), gradients)
     p = _CACHE.get(key)
     if p is not None:
         _STATS["hits"] += 1
@@ -1310,7 +1314,7 @@ def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize
         return p
     _STATS["misses"] += 1
     p = _make_plan(expr, terms, output, shapes, dtype, device.type, memory_limit, optimize, slicing, device,
-                   interleaved=interleaved)
+                   interleaved=interleaved, gradients=gradients)
     _CACHE[key] = p
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -1318,7 +1322,7 @@ def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize
 
 
 def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_limit=None,
-         optimize="auto", slicing=None, device=None) -> ContractionPlan:
+         optimize="auto", slicing=None, device=None, gradients: bool = True) -> ContractionPlan:
     """Plan a contraction (cached).
 
     ``expr``: an einsum string (``"ab,bc->ac"``, implicit output, ``...``, any Unicode letter as
@@ -1334,6 +1338,11 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     ``optimize``: "auto", "greedy", "optimal", "cotengra" (HyperOptimizer with its slicer), any
     opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit path.
     ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``.
+    ``gradients=False`` plans for the forward only: ``memory_limit`` then bounds every
+    intermediate (the forward's working memory), with as few sliced modes as that needs, as for
+    cotengra's ``target_size``; such a plan still differentiates correctly, but its backward
+    may exceed ``memory_limit``. :func:`contract` picks this mode itself when no operand
+    requires grad (or grad mode is off).
     """
     if isinstance(expr, str):
         shapes, tensors = _shapes_of(operands_or_shapes)
@@ -1353,7 +1362,8 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
         device = tensors[0].device if device is None else torch.device(device)
     dtype = dtype or torch.get_default_dtype()
     device = torch.device(device or "cpu")
-    return _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved)
+    return _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
+                     gradients)
 
 
 def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=None,
@@ -1377,6 +1387,14 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
     return plan.contract(*operands, slices=slices, progress=progress)
 
 
+def _wants_gradients(operands, memory_limit) -> bool:
+    """Whether a plan looked up for these operands must bound the backward too: with a
+    ``memory_limit``, only when grad mode is on and some operand requires grad."""
+    if memory_limit is None:
+        return True  # the same plan either way (see _get_plan)
+    return torch.is_grad_enabled() and any(op.requires_grad for op in operands)
+
+
 def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optional[ContractionPlan] = None):
     """``(plan, operands)`` for :func:`contract`'s arguments: the plan (cached) and the operand
     tensors, from an einsum string and operands or from the interleaved form."""
@@ -1391,15 +1409,16 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
             for op in operands[1:]:
                 if op.dtype != dtype:
                     dtype = torch.promote_types(dtype, op.dtype)
+            gradients = _wants_gradients(operands, memory_limit)
             key = (expr, tuple(shapes), dtype, operands[0].device.type, _freeze(memory_limit), _freeze(optimize),
-                   _freeze(slicing))
+                   _freeze(slicing), gradients)
             p = _CACHE.get(key)  # fast path: no parsing on a cache hit
             if p is not None:
                 _STATS["hits"] += 1
             else:
                 terms, output = _parse_string(expr, len(shapes))
                 p = _get_plan(expr, terms, output, shapes, dtype, operands[0].device, memory_limit, optimize,
-                              slicing, False)
+                              slicing, False, gradients)
             plan = p
     else:
         operands, terms, output = _split_interleaved(args)
@@ -1409,7 +1428,7 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
             for op in operands[1:]:
                 dtype = torch.promote_types(dtype, op.dtype)
             plan = _get_plan(None, terms, output, [tuple(op.shape) for op in operands], dtype, operands[0].device,
-                             memory_limit, optimize, slicing, True)
+                             memory_limit, optimize, slicing, True, _wants_gradients(operands, memory_limit))
     if not isinstance(plan, ContractionPlan):
         raise TypeError(f"plan must be a ContractionPlan, got {type(plan).__name__}")
     return plan, operands
