@@ -1302,11 +1302,16 @@ def _shapes_of(operands_or_shapes):
     return shapes, tensors
 
 
+def _plan_key(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing, gradients):
+    """The plan cache's key. Without a memory limit, planning for gradients or not gives the
+    same plan, so both share one entry."""
+    return (expr if expr is not None else (_freeze(terms), _freeze(output)), tuple(shapes), dtype, device_type,
+            _freeze(memory_limit), _freeze(optimize), _freeze(slicing), bool(gradients) or memory_limit is None)
+
+
 def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
               gradients=True):
-    gradients = bool(gradients) or memory_limit is None  # without a limit the plans are the same
-    key = (expr if expr is not None else (_freeze(terms), _freeze(output)), tuple(shapes), dtype, device.type,
-           _freeze(memory_limit), _freeze(optimize), _freeze(slicing), gradients)
+    key = _plan_key(expr, terms, output, shapes, dtype, device.type, memory_limit, optimize, slicing, gradients)
     p = _CACHE.get(key)
     if p is not None:
         _STATS["hits"] += 1
@@ -1314,7 +1319,7 @@ def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize
         return p
     _STATS["misses"] += 1
     p = _make_plan(expr, terms, output, shapes, dtype, device.type, memory_limit, optimize, slicing, device,
-                   interleaved=interleaved, gradients=gradients)
+                   interleaved=interleaved, gradients=key[-1])
     _CACHE[key] = p
     if len(_CACHE) > _CACHE_SIZE:
         _CACHE.popitem(last=False)
@@ -1387,11 +1392,9 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
     return plan.contract(*operands, slices=slices, progress=progress)
 
 
-def _wants_gradients(operands, memory_limit) -> bool:
-    """Whether a plan looked up for these operands must bound the backward too: with a
-    ``memory_limit``, only when grad mode is on and some operand requires grad."""
-    if memory_limit is None:
-        return True  # the same plan either way (see _get_plan)
+def _wants_gradients(operands) -> bool:
+    """Whether a plan looked up for these operands must bound the backward too: only when grad
+    mode is on and some operand requires grad."""
     return torch.is_grad_enabled() and any(op.requires_grad for op in operands)
 
 
@@ -1409,9 +1412,9 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
             for op in operands[1:]:
                 if op.dtype != dtype:
                     dtype = torch.promote_types(dtype, op.dtype)
-            gradients = _wants_gradients(operands, memory_limit)
-            key = (expr, tuple(shapes), dtype, operands[0].device.type, _freeze(memory_limit), _freeze(optimize),
-                   _freeze(slicing), gradients)
+            gradients = _wants_gradients(operands)
+            key = _plan_key(expr, None, None, shapes, dtype, operands[0].device.type, memory_limit, optimize,
+                            slicing, gradients)
             p = _CACHE.get(key)  # fast path: no parsing on a cache hit
             if p is not None:
                 _STATS["hits"] += 1
@@ -1428,7 +1431,7 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
             for op in operands[1:]:
                 dtype = torch.promote_types(dtype, op.dtype)
             plan = _get_plan(None, terms, output, [tuple(op.shape) for op in operands], dtype, operands[0].device,
-                             memory_limit, optimize, slicing, True, _wants_gradients(operands, memory_limit))
+                             memory_limit, optimize, slicing, True, _wants_gradients(operands))
     if not isinstance(plan, ContractionPlan):
         raise TypeError(f"plan must be a ContractionPlan, got {type(plan).__name__}")
     return plan, operands
