@@ -82,7 +82,9 @@ def _cpu_arch_flags():
 def extensions():
     with_cuda = _want_cuda()
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
-    cxx = ["-O3", "-fopenmp"] + _cpu_arch_flags()  # the C++ standard is BuildExtension's choice
+    # -fno-trapping-math: nothing here reads FP exception flags, and it lets GCC turn float
+    # selects (clamps, masks) into vector blends. The C++ standard is BuildExtension's choice.
+    cxx = ["-O3", "-fno-trapping-math", "-fopenmp"] + _cpu_arch_flags()
     link = ["-fopenmp"]
     define_macros = []
     if not with_cuda:
