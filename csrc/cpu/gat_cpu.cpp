@@ -113,12 +113,14 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
 
   at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&](int64_t begin, int64_t end) {
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
-    std::vector<acc_t> acc(HC), run_max(H), run_sum(H), adst(H), ex(2 * H);
-    acc_t* rescale = ex.data();
-    acc_t* weight = ex.data() + H;
+    std::vector<acc_t> acc(HC), run_max_v(H), run_sum(H), adst(H), score_v(H), ex(2 * H);
+    acc_t* __restrict__ run_max = run_max_v.data();
+    acc_t* __restrict__ score = score_v.data();
+    acc_t* __restrict__ rescale = ex.data();
+    acc_t* __restrict__ weight = ex.data() + H;
     for (int64_t i = begin; i < end; ++i) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
-      std::fill(run_max.begin(), run_max.end(), neg_inf);
+      std::fill(run_max, run_max + H, neg_inf);
       std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
       for (int64_t h = 0; h < H; ++h) adst[h] = static_cast<acc_t>(ad[i * H + h]);
       const int64_t e0 = ptr[i], e1 = ptr[i + 1];
@@ -134,19 +136,25 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
           }
         }
         // Online softmax for all heads at once: new maximum, the old sums' rescale factor
-        // exp(old_max - new_max) and the edge's weight exp(s - new_max).
-        bool any_rescale = false;
+        // exp(old_max - new_max) and the edge's weight exp(s - new_max). Selects, not branches,
+        // so that the head loops vectorise (a random-sign leaky_relu branch mispredicts half
+        // the time).
+        const scalar_t* asj = as + j * H;
+        if (el) {
+          for (int64_t h = 0; h < H; ++h) score[h] = static_cast<acc_t>(asj[h]) + adst[h] + static_cast<acc_t>(el[e * H + h]);
+        } else {
+          for (int64_t h = 0; h < H; ++h) score[h] = static_cast<acc_t>(asj[h]) + adst[h];
+        }
         for (int64_t h = 0; h < H; ++h) {
-          acc_t z = static_cast<acc_t>(as[j * H + h]) + adst[h];
-          if (el) z += static_cast<acc_t>(el[e * H + h]);
-          const acc_t s = leaky_relu(z, slope);
-          const acc_t m = s > run_max[h] ? s : run_max[h];  // a NaN score is no maximum; exp spreads it
-          any_rescale |= m != run_max[h];
-          rescale[h] = m == run_max[h] ? acc_t(0) : run_max[h] - m;  // also -inf - -inf: no NaN
+          const acc_t s = leaky_relu(score[h], slope), old = run_max[h];
+          const acc_t m = s > old ? s : old;  // a NaN score is no maximum; exp spreads it
+          rescale[h] = m == old ? acc_t(0) : old - m;  // also -inf - -inf: no NaN
           weight[h] = s == neg_inf ? acc_t(-1000) : s - m;  // a -inf score (masked edge) weighs 0
           run_max[h] = m;
         }
         exp_inplace(ex.data(), 2 * H);
+        bool any_rescale = false;
+        for (int64_t h = 0; h < H; ++h) any_rescale |= rescale[h] != acc_t(1);
         if (any_rescale) {
           for (int64_t h = 0; h < H; ++h) {
             acc_t* a = acc.data() + h * C;
@@ -283,7 +291,11 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   scalar_t* gxp = gx ? gx->data_ptr<scalar_t>() : nullptr;
   scalar_t* gasp = gas ? gas->data_ptr<scalar_t>() : nullptr;
   at::parallel_for(0, num_src, node_grain(num_src, E, HC), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> accx(gx ? HC : 0), accs(H), zs(H), alphas(H);
+    std::vector<acc_t> accx(gx ? HC : 0), accs(H), heads(4 * H);
+    acc_t* __restrict__ slope_grad = heads.data();
+    acc_t* __restrict__ alphas = heads.data() + H;
+    acc_t* __restrict__ keeps = heads.data() + 2 * H;
+    acc_t* __restrict__ dots = heads.data() + 3 * H;
     for (int64_t j = begin; j < end; ++j) {
       std::fill(accx.begin(), accx.end(), acc_t(0));
       std::fill(accs.begin(), accs.end(), acc_t(0));
@@ -311,28 +323,41 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
         }
         const acc_t* r = rec + i * 3 * H;
         const scalar_t* gi = g + i * HC;
-        for (int64_t h = 0; h < H; ++h) {  // alpha = exp(s - lse), all heads in one exp call
-          acc_t z = static_cast<acc_t>(as[j * H + h]) + r[h];
-          if (el) z += static_cast<acc_t>(el[e * H + h]);
-          zs[h] = z;
-          alphas[h] = leaky_relu(z, slope) - r[H + h];
+        // Head loops split so that the elementwise ones vectorise (selects, no data-dependent
+        // branches): alpha = exp(s - lse) and leaky_relu' for all heads; then the per-head row
+        // work (dA = <g_i, x_j> and grad x_src); then dz for all heads.
+        const scalar_t* asj = as + j * H;
+        acc_t* __restrict__ zs = dots;  // free until the dots are taken
+        for (int64_t h = 0; h < H; ++h) zs[h] = static_cast<acc_t>(asj[h]) + r[h];
+        if (el) {
+          for (int64_t h = 0; h < H; ++h) zs[h] += static_cast<acc_t>(el[e * H + h]);
         }
-        exp_inplace(alphas.data(), H);
         for (int64_t h = 0; h < H; ++h) {
-          const acc_t z = zs[h], alpha = alphas[h];
-          const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
+          slope_grad[h] = leaky_relu_grad(zs[h], slope);
+          alphas[h] = leaky_relu(zs[h], slope) - r[H + h];
+        }
+        if (mk) {
+          for (int64_t h = 0; h < H; ++h) keeps[h] = mk[e * H + h] ? keep_scale : acc_t(0);
+        } else {
+          for (int64_t h = 0; h < H; ++h) keeps[h] = acc_t(1);
+        }
+        exp_inplace(alphas, H);
+        for (int64_t h = 0; h < H; ++h) {
           const scalar_t* gih = gi + h * C;
-          if (need_dz) {
-            acc_t dA = dot<acc_t>(gih, xj + h * C, C);
-            if (ga) dA += static_cast<acc_t>(ga[e * H + h]);
-            const acc_t dz = alpha * (dA * keep - r[2 * H + h]) * leaky_relu_grad(z, slope);
-            accs[h] += dz;
-            if (dz_ws) dz_ws[e * H + h] = dz;
-          }
+          if (need_dz) dots[h] = dot<acc_t>(gih, xj + h * C, C);
           if (gxp) {
-            const acc_t w = alpha * keep;
+            const acc_t w = alphas[h] * keeps[h];
             acc_t* a = accx.data() + h * C;
             for (int64_t c = 0; c < C; ++c) a[c] += w * static_cast<acc_t>(gih[c]);
+          }
+        }
+        if (need_dz) {
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t dA = dots[h];
+            if (ga) dA += static_cast<acc_t>(ga[e * H + h]);
+            const acc_t dz = alphas[h] * (dA * keeps[h] - r[2 * H + h]) * slope_grad[h];
+            accs[h] += dz;
+            if (dz_ws) dz_ws[e * H + h] = dz;
           }
         }
       }
