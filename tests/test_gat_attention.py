@@ -272,6 +272,42 @@ def test_forward_mode_ad_matches_reference(with_dropout):
         torch.testing.assert_close(forward_ad.unpack_dual(alpha).tangent, t_ref[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads,channels", [(8, 32), (3, 5)])
+def test_float32_wide_scores_and_masked_edges(heads, channels, device):
+    """Scores hundreds apart (weights that underflow to 0 in float32, the CPU exp's clamp
+    range) and -inf edge logits (masked edges, one destination with all its edges masked, whose
+    output is NaN as in the reference's softmax over all -inf)."""
+    ei, ns, nd = make_graph("skewed", torch.int64, device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), heads, channels, torch.float32, device)
+    masked = int(ei[1, 0])  # a destination with edges, all of them masked below
+    with torch.no_grad():
+        a_src.mul_(60.0)
+        a_dst.mul_(60.0)
+        el[::7] = float("-inf")
+        el[ei[1] == masked] = float("-inf")
+    out, alpha = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el, return_attention=True)
+    x64, as64, ad64, el64 = (t.detach().double().requires_grad_() for t in (x, a_src, a_dst, el))
+    ref, ref_alpha = gat_reference(x64, as64, ad64, ei, nd, 0.2, el64)
+    # float32 scores of size ~200 carry rounding errors of ~1e-5, hence the looser tolerance.
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4, equal_nan=True)
+    torch.testing.assert_close(alpha.double(), ref_alpha, atol=1e-4, rtol=1e-4, equal_nan=True)
+    assert torch.isnan(out[masked]).all()
+    assert not torch.isnan(out[torch.arange(nd, device=device) != masked]).any()
+    masked_edges = torch.zeros(ei.size(1), dtype=torch.bool, device=device)
+    masked_edges[::7] = True
+    assert (alpha[masked_edges & (ei[1] != masked)] == 0).all()
+    assert ((ref_alpha > 0) & (ref_alpha < 1e-30)).any()  # some weights do underflow
+    # Gradients, with the all-masked destination's output gradient zero (NaN there otherwise).
+    go = torch.randn(out.shape, dtype=torch.float64, device=device)
+    go[masked] = 0
+    ours = grads_of(out, (x, a_src, a_dst), go.float())
+    theirs = grads_of(ref.nan_to_num(0.0), (x64, as64, ad64), go)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.double().nan_to_num(0.0), b.nan_to_num(0.0), atol=1e-4, rtol=1e-4)
+
+
 def test_nan_and_inf_propagate_locally():
     ei = torch.tensor([[0, 1, 2, 2], [0, 0, 1, 2]])
     graph = tg.BipartiteCSC.from_edge_index(ei, 3, 4)
