@@ -113,12 +113,15 @@ CONFIGS = [
 ]
 
 
+# in_channels 16: attention folded into the projection weight (16 <= 8 x 8); 80: PyG's product
+# on the projected features (80 > 8 x 8). Both logit paths must match PyG.
+@pytest.mark.parametrize("in_channels", [16, 80], ids=["folded_logits", "projected_logits"])
 @pytest.mark.parametrize("loops", [True, False], ids=["with_self_loops", "no_self_loops"])
 @pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
-def test_homogeneous_matches_pyg(kw, loops):
-    theirs, ours = pair(16, 8, **kw)
+def test_homogeneous_matches_pyg(kw, loops, in_channels):
+    theirs, ours = pair(in_channels, 8, **kw)
     theirs.eval(), ours.eval()
-    x = torch.randn(30, 16)
+    x = torch.randn(30, in_channels)
     ei = random_graph(30, 30, 150)
     if not loops:  # no self-loops in the input: the CSC needs no scratch row
         ei = ei[:, ei[0] != ei[1]]
@@ -155,9 +158,10 @@ def test_edge_attr_ignored_without_edge_dim():
                                 dict(heads=1, concat=False, add_self_loops=False),
                                 dict(heads=2, edge_dim=2, fill_value="max")])
 @pytest.mark.parametrize("num_dst", [9, 20])
-def test_bipartite_matches_pyg(kw, num_dst):
-    theirs, ours = pair((16, 12), 8, **kw)
-    x = (torch.randn(14, 16), torch.randn(num_dst, 12))
+@pytest.mark.parametrize("in_channels", [(16, 12), (80, 72)], ids=["folded_logits", "projected_logits"])
+def test_bipartite_matches_pyg(kw, num_dst, in_channels):
+    theirs, ours = pair(in_channels, 8, **kw)
+    x = (torch.randn(14, in_channels[0]), torch.randn(num_dst, in_channels[1]))
     ei = random_graph(14, num_dst, 70)
     ea = torch.randn(70, 2) if "edge_dim" in kw else None
     if num_dst > 14 and kw.get("edge_dim") and kw.get("add_self_loops", True):
