@@ -114,10 +114,10 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
   at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&](int64_t begin, int64_t end) {
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
     std::vector<acc_t> acc(HC), run_max_v(H), run_sum(H), adst(H), score_v(H), ex(2 * H);
-    acc_t* __restrict__ run_max = run_max_v.data();
-    acc_t* __restrict__ score = score_v.data();
-    acc_t* __restrict__ rescale = ex.data();
-    acc_t* __restrict__ weight = ex.data() + H;
+    acc_t* run_max = run_max_v.data();
+    acc_t* score = score_v.data();
+    acc_t* rescale = ex.data();
+    acc_t* weight = ex.data() + H;
     for (int64_t i = begin; i < end; ++i) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
       std::fill(run_max, run_max + H, neg_inf);
@@ -291,11 +291,12 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   scalar_t* gxp = gx ? gx->data_ptr<scalar_t>() : nullptr;
   scalar_t* gasp = gas ? gas->data_ptr<scalar_t>() : nullptr;
   at::parallel_for(0, num_src, node_grain(num_src, E, HC), [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> accx(gx ? HC : 0), accs(H), heads(4 * H);
-    acc_t* __restrict__ slope_grad = heads.data();
-    acc_t* __restrict__ alphas = heads.data() + H;
-    acc_t* __restrict__ keeps = heads.data() + 2 * H;
-    acc_t* __restrict__ dots = heads.data() + 3 * H;
+    std::vector<acc_t> accx(gx ? HC : 0), accs(H), heads(5 * H);
+    acc_t* slope_grad = heads.data();
+    acc_t* alphas = heads.data() + H;
+    acc_t* keeps = heads.data() + 2 * H;
+    acc_t* dots = heads.data() + 3 * H;
+    acc_t* zs = heads.data() + 4 * H;
     for (int64_t j = begin; j < end; ++j) {
       std::fill(accx.begin(), accx.end(), acc_t(0));
       std::fill(accs.begin(), accs.end(), acc_t(0));
@@ -327,7 +328,6 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
         // branches): alpha = exp(s - lse) and leaky_relu' for all heads; then the per-head row
         // work (dA = <g_i, x_j> and grad x_src); then dz for all heads.
         const scalar_t* asj = as + j * H;
-        acc_t* __restrict__ zs = dots;  // free until the dots are taken
         for (int64_t h = 0; h < H; ++h) zs[h] = static_cast<acc_t>(asj[h]) + r[h];
         if (el) {
           for (int64_t h = 0; h < H; ++h) zs[h] += static_cast<acc_t>(el[e * H + h]);
