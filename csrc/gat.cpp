@@ -60,6 +60,7 @@ void check_gat_backward_args(const at::Tensor& grad_out, const c10::optional<at:
   check_shape(out, {num_dst, heads, channels}, "out");
   check_shape(lse, {num_dst, heads}, "lse");
   TORCH_CHECK(grad_out.scalar_type() == x_src.scalar_type(), "grad_out must have the dtype of x_src");
+  TORCH_CHECK(out.scalar_type() == x_src.scalar_type(), "out must have the dtype of x_src");
   TORCH_CHECK(lse.scalar_type() == gat_acc_type(x_src.scalar_type()), "lse must be ",
               gat_acc_type(x_src.scalar_type()), ", got ", lse.scalar_type());
   if (grad_alpha.has_value()) {
@@ -78,6 +79,8 @@ void check_gat_backward_args(const at::Tensor& grad_out, const c10::optional<at:
     check_same_device(x_src, "x_src", *p, "reverse index");
   }
   check_same_device(x_src, "x_src", grad_out, "grad_out");
+  check_same_device(x_src, "x_src", out, "out");
+  check_same_device(x_src, "x_src", lse, "lse");
 }
 
 namespace {

@@ -401,6 +401,22 @@ def test_bad_op_inputs_raise_clear_errors():
     bad_indices[0] = ns + 5
     with pytest.raises(RuntimeError, match="out of range"):
         ops.gat_forward(x, a_src, a_dst, None, graph.indptr, bad_indices, None, 0.2, 1.0, False)
+    # pointers that stop short of E (every per-node range valid) or do not start at 0
+    short = graph.indptr.clone()
+    short[-1] -= 1
+    with pytest.raises(RuntimeError, match="indptr must start at 0 and end at E"):
+        ops.gat_forward(x, a_src, a_dst, None, short, graph.indices, None, 0.2, 1.0, False)
+    rev = graph.reverse_index()
+    rev_indptr, rev_edge, rev_dst = rev.indptr, rev.edge, rev.dst
+    out, lse, _ = ops.gat_forward(x, a_src, a_dst, None, graph.indptr, graph.indices, None, 0.2, 1.0, False)
+    args = (torch.ones_like(out), None, out, lse, x, a_src, a_dst, None, graph.indptr, graph.indices)
+    late = rev_indptr.clone()
+    late[0] = 1
+    with pytest.raises(RuntimeError, match="rev_indptr must start at 0 and end at E"):
+        ops.gat_backward(*args, late, rev_edge, rev_dst, None, 0.2, 1.0, [True, True, True, False])
+    with pytest.raises(RuntimeError, match="out must have the dtype of x_src"):
+        ops.gat_backward(*args[:2], out.double(), *args[3:], rev_indptr, rev_edge, rev_dst, None, 0.2, 1.0,
+                         [True, True, True, False])
 
 
 def test_cuda_tensor_without_cuda_build_is_a_clear_error(monkeypatch):

@@ -51,6 +51,14 @@ inline acc_t dot(const T* a, const T* b, int64_t n) {
   return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
 }
 
+// A CSC pointer array must start at 0 and end at E: per-node checks of non-decreasing ranges
+// inside [0, E] would still let edges past ptr[n] go unvisited by one pass and visited by another.
+template <typename index_t>
+void check_ptr_ends(const index_t* ptr, int64_t n, int64_t E, const char* name) {
+  TORCH_CHECK(static_cast<int64_t>(ptr[0]) == 0 && static_cast<int64_t>(ptr[n]) == E, name,
+              " must start at 0 and end at E = ", E, " (the number of edges), got ", ptr[0], " and ", ptr[n]);
+}
+
 // Nodes per parallel chunk: enough work per task to amortise scheduling.
 int64_t node_grain(int64_t nodes, int64_t edges, int64_t row) {
   const int64_t work_per_node = std::max<int64_t>(1, (edges / std::max<int64_t>(nodes, 1) + 1) * row);
@@ -110,6 +118,7 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
   const acc_t slope = static_cast<acc_t>(negative_slope);
   const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  check_ptr_ends(ptr, num_dst, E, "indptr");
 
   at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&](int64_t begin, int64_t end) {
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
@@ -243,6 +252,8 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   const acc_t slope = static_cast<acc_t>(negative_slope);
   const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
   const auto acc_opts = x_src.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  check_ptr_ends(ptr, num_dst, E, "indptr");
+  check_ptr_ends(rev_indptr.data_ptr<index_t>(), num_src, E, "rev_indptr");
 
   // Pass A, per destination: one record {a_dst, lse, D} of 3H values, so that pass B touches a
   // single small line per edge for everything it needs of the destination.

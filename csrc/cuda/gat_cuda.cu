@@ -58,13 +58,22 @@ dim3 feature_block(int64_t HC) {
   return dim3(tx, kThreads / tx);
 }
 
+// Graph arrays are trusted by the host code (reading them there would synchronise), so each
+// node's edge range is checked where it is read: non-decreasing, within [0, E], and the first and
+// last node pin the ends to 0 and E (else edges past ptr[n] would be read by one kernel only).
+__device__ __forceinline__ void check_edge_range(int64_t e0, int64_t e1, int64_t node, int64_t nodes, int64_t E) {
+  CUDA_KERNEL_ASSERT(0 <= e0 && e0 <= e1 && e1 <= E && "edge pointer ranges must be non-decreasing, within [0, E]");
+  CUDA_KERNEL_ASSERT((node != 0 || e0 == 0) && "edge pointers must start at 0");
+  CUDA_KERNEL_ASSERT((node != nodes - 1 || e1 == E) && "edge pointers must end at E");
+}
+
 template <typename scalar_t, typename index_t>
 __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ as,
                                    const scalar_t* __restrict__ ad, const scalar_t* __restrict__ el,
                                    const bool* __restrict__ mk, const index_t* __restrict__ ptr,
                                    const index_t* __restrict__ idx, scalar_t* __restrict__ out,
                                    at::opmath_type<scalar_t>* __restrict__ lse, scalar_t* __restrict__ alpha,
-                                   int64_t num_dst, int64_t H, int64_t C,
+                                   int64_t num_src, int64_t num_dst, int64_t E, int64_t H, int64_t C,
                                    at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t HC = H * C;
@@ -76,10 +85,12 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; i < num_dst;
        i += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+    check_edge_range(e0, e1, i, num_dst, E);
     const acc_t adst = static_cast<acc_t>(ad[i * H + h]);
     acc_t run_max = neg_inf, run_sum = 0, acc = 0;
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t j = idx[e];
+      CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
       const acc_t s = leaky_relu(score_logit(as, el, j, e, h, H, adst), slope);
       if (s > run_max) {  // rescale what was summed under the old maximum
         const acc_t r = fast_exp(run_max - s);
@@ -117,8 +128,8 @@ __global__ void gat_backward_dst_kernel(
     const scalar_t* __restrict__ as, const scalar_t* __restrict__ ad, const scalar_t* __restrict__ el,
     const bool* __restrict__ mk, const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
     at::opmath_type<scalar_t>* __restrict__ dz_ws, at::opmath_type<scalar_t>* __restrict__ w_ws,
-    scalar_t* __restrict__ gad, scalar_t* __restrict__ gel, int64_t num_dst, int64_t H, int64_t C,
-    bool need_dz, at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
+    scalar_t* __restrict__ gad, scalar_t* __restrict__ gel, int64_t num_src, int64_t num_dst, int64_t E,
+    int64_t H, int64_t C, bool need_dz, at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t HC = H * C;
   const int lane = threadIdx.x % kWarp;
@@ -128,6 +139,7 @@ __global__ void gat_backward_dst_kernel(
        pair += static_cast<int64_t>(gridDim.x) * warps_per_block) {
     const int64_t i = pair / H, h = pair % H;
     const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+    check_edge_range(e0, e1, i, num_dst, E);
     const acc_t adst = static_cast<acc_t>(ad[i * H + h]);
     const acc_t l = lse[i * H + h];
     const scalar_t* gih = g + i * HC + h * C;
@@ -139,6 +151,7 @@ __global__ void gat_backward_dst_kernel(
       if (ga) {  // attention weights used directly: D gains sum_e A_e * dL/dA_e
         for (int64_t e = e0 + lane; e < e1; e += kWarp) {
           const int64_t j = idx[e];
+          CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
           acc_t a = fast_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
           if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
           part += a * static_cast<acc_t>(ga[e * H + h]);
@@ -149,6 +162,7 @@ __global__ void gat_backward_dst_kernel(
     acc_t gad_acc = 0;
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t j = idx[e];
+      CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
       const acc_t z = score_logit(as, el, j, e, h, H, adst);
       const acc_t alpha = fast_exp(leaky_relu(z, slope) - l);
       const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
@@ -177,7 +191,8 @@ __global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
                                         const at::opmath_type<scalar_t>* __restrict__ w_ws,
                                         const index_t* __restrict__ rptr, const index_t* __restrict__ redge,
                                         const index_t* __restrict__ rdst, scalar_t* __restrict__ gx,
-                                        scalar_t* __restrict__ gas, int64_t num_src, int64_t H, int64_t C) {
+                                        scalar_t* __restrict__ gas, int64_t num_src, int64_t num_dst, int64_t E,
+                                        int64_t H, int64_t C) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t HC = H * C;
   const int64_t f = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
@@ -188,8 +203,11 @@ __global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
   for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; j < num_src;
        j += static_cast<int64_t>(gridDim.x) * blockDim.y) {
     acc_t accx = 0, accs = 0;
-    for (int64_t k = rptr[j], k1 = rptr[j + 1]; k < k1; ++k) {
+    const int64_t k0 = rptr[j], k1 = rptr[j + 1];
+    check_edge_range(k0, k1, j, num_src, E);
+    for (int64_t k = k0; k < k1; ++k) {
       const int64_t e = redge[k], i = rdst[k];
+      CUDA_KERNEL_ASSERT(e >= 0 && e < E && i >= 0 && i < num_dst && "reverse index entry out of range");
       if (gx) accx += w_ws[e * H + h] * static_cast<acc_t>(g[i * HC + f]);
       if (gas && head_leader) accs += dz_ws[e * H + h];
     }
@@ -231,7 +249,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
           a.x_src.data_ptr<scalar_t>(), a.a_src.data_ptr<scalar_t>(), a.a_dst.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(a.edge_logits), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
           a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
-          return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, num_dst, H, C,
+          return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, a.x_src.size(0), num_dst, a.indices.numel(), H, C,
           static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
@@ -261,6 +279,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cuda(
     for (auto* t : {&gx, &gas, &gad}) t->zero_();
     return {gx, gas, gad, gel};
   }
+  if (!a.want_x && !a.want_a_src && !a.want_a_dst && !a.want_edge_logits) return {gx, gas, gad, gel};
+  // Shape limits are checked before any launch.
+  const dim3 src_block = feature_block(H * C);
+  const dim3 src_grid = feature_grid(num_src, H * C, src_block);
   const auto acc_opts = f.x_src.options().dtype(gat_acc_type(f.x_src.scalar_type()));
   at::Tensor dz_ws = a.want_a_src ? at::empty({E, H}, acc_opts) : at::Tensor();
   at::Tensor w_ws = a.want_x ? at::empty({E, H}, acc_opts) : at::Tensor();
@@ -278,17 +300,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cuda(
           f.a_dst.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(f.edge_logits), ptr_or_null<bool>(f.dropout_mask),
           f.indptr.data_ptr<index_t>(), f.indices.data_ptr<index_t>(), ptr_or_null<acc_t>(dz_ws),
           ptr_or_null<acc_t>(w_ws), a.want_a_dst ? gad.data_ptr<scalar_t>() : nullptr,
-          a.want_edge_logits ? gel.data_ptr<scalar_t>() : nullptr, num_dst, H, C, need_dz,
+          a.want_edge_logits ? gel.data_ptr<scalar_t>() : nullptr, num_src, num_dst, E, H, C, need_dz,
           static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       if (a.want_x || a.want_a_src) {
-        const dim3 block = feature_block(H * C);
-        const dim3 grid = feature_grid(num_src, H * C, block);
-        gat_backward_src_kernel<scalar_t, index_t><<<grid, block, 0, stream>>>(
+        gat_backward_src_kernel<scalar_t, index_t><<<src_grid, src_block, 0, stream>>>(
             a.grad_out.data_ptr<scalar_t>(), ptr_or_null<acc_t>(dz_ws), ptr_or_null<acc_t>(w_ws),
             a.rev_indptr.data_ptr<index_t>(), a.rev_edge.data_ptr<index_t>(), a.rev_dst.data_ptr<index_t>(),
             a.want_x ? gx.data_ptr<scalar_t>() : nullptr,
-            a.want_a_src ? gas.data_ptr<scalar_t>() : nullptr, num_src, H, C);
+            a.want_a_src ? gas.data_ptr<scalar_t>() : nullptr, num_src, num_dst, E, H, C);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       }
     });
