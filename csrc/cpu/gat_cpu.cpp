@@ -120,16 +120,16 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
   check_ptr_ends(ptr, num_dst, E, "indptr");
 
-  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&](int64_t begin, int64_t end) {
+  // slope and neg_inf by value: read through the lambda's references, GCC did not vectorise the
+  // head loops (it cannot tell the stores from them).
+  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&, slope, neg_inf](int64_t begin, int64_t end) {
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
-    std::vector<acc_t> acc(HC), run_max_v(H), run_sum(H), adst(H), score_v(H), ex(2 * H);
-    acc_t* run_max = run_max_v.data();
-    acc_t* score = score_v.data();
+    std::vector<acc_t> acc(HC), run_max(H), run_sum(H), adst(H), score(H), ex(2 * H);
     acc_t* rescale = ex.data();
     acc_t* weight = ex.data() + H;
     for (int64_t i = begin; i < end; ++i) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
-      std::fill(run_max, run_max + H, neg_inf);
+      std::fill(run_max.begin(), run_max.end(), neg_inf);
       std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
       for (int64_t h = 0; h < H; ++h) adst[h] = static_cast<acc_t>(ad[i * H + h]);
       const int64_t e0 = ptr[i], e1 = ptr[i + 1];
@@ -162,15 +162,11 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
           run_max[h] = m;
         }
         exp_inplace(ex.data(), 2 * H);
-        bool any_rescale = false;
-        for (int64_t h = 0; h < H; ++h) any_rescale |= rescale[h] != acc_t(1);
-        if (any_rescale) {
-          for (int64_t h = 0; h < H; ++h) {
+        for (int64_t h = 0; h < H; ++h) {  // rare after the first edges: the maximum settles
+          const acc_t r = rescale[h];
+          if (r != acc_t(1)) {
             acc_t* a = acc.data() + h * C;
-            const acc_t r = rescale[h];
-            if (r != acc_t(1)) {
-              for (int64_t c = 0; c < C; ++c) a[c] *= r;
-            }
+            for (int64_t c = 0; c < C; ++c) a[c] *= r;
           }
         }
         const scalar_t* xj = x + j * HC;
