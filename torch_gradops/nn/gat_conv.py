@@ -97,8 +97,8 @@ def _graph_for(edge_index, num_src: int, num_dst: int, num_loops: Optional[int])
     return graph
 
 
-# Fold the attention vectors into the projection weight when in_features <= this x out_channels
-# (see GATConv.forward).
+# Fold the source attention vector into the projection weight when in_features <= this x
+# out_channels (see GATConv.forward).
 _FOLD_MAX_IN_PER_CHANNEL = 8
 
 
@@ -165,24 +165,25 @@ class GATConv(PyGGATConv):
         # --- node attention logits [N, H]. PyG computes (lin(x) * att).sum(-1), an N x H x C
         # product and reduction (and the same again in backward). Folding `att` into the
         # projection weight first, x @ W_att with W_att [F, H], is the same linear map (lin has
-        # no bias) and cheaper on narrow inputs: about 6 F H GEMM multiply-adds per node
-        # (forward and backward) against about 6 memory passes over H C values. On wide inputs
-        # (Cora's 1433 features: F > 8 C) PyG's product on the projected features is cheaper.
+        # no bias). For the source side, whose projection is needed anyway, the fold pays on
+        # narrow inputs only: about 6 F H GEMM multiply-adds per node (forward and backward)
+        # against about 6 memory passes over H C values, so on wide inputs (Cora's 1433
+        # features: F > 8 C) PyG's product is cheaper. A separate destination projection exists
+        # only for its logits, so there the fold (F H instead of F H C per node) always pays.
         same_side = x_in_dst is x_in_src and lin_d is lin_s
-        if x_in_src.size(-1) <= _FOLD_MAX_IN_PER_CHANNEL * C:
-            if same_side:  # one GEMM for both logits
-                w = torch.cat([self._fold(lin_s, self.att_src), self._fold(lin_s, self.att_dst)], 1)
-                alpha_src, alpha_dst = (x_in_src @ w).split(H, dim=1)
-            else:
-                alpha_src = x_in_src @ self._fold(lin_s, self.att_src)
-                alpha_dst = None if x_in_dst is None else x_in_dst @ self._fold(lin_d, self.att_dst)
+        fold_src = x_in_src.size(-1) <= _FOLD_MAX_IN_PER_CHANNEL * C
+        if same_side and fold_src:  # one GEMM for both logits
+            w = torch.cat([self._fold(lin_s, self.att_src), self._fold(lin_s, self.att_dst)], 1)
+            alpha_src, alpha_dst = (x_in_src @ w).split(H, dim=1)
         else:
-            alpha_src = (x_src * self.att_src).sum(-1)
+            alpha_src = (x_in_src @ self._fold(lin_s, self.att_src) if fold_src
+                         else (x_src * self.att_src).sum(-1))
             if x_in_dst is None:
                 alpha_dst = None
+            elif same_side:
+                alpha_dst = (x_src * self.att_dst).sum(-1)
             else:
-                x_dst = x_src if same_side else lin_d(x_in_dst).view(-1, H, C)
-                alpha_dst = (x_dst * self.att_dst).sum(-1)
+                alpha_dst = x_in_dst @ self._fold(lin_d, self.att_dst)
         num_dst_rows = None if x_in_dst is None else x_in_dst.size(0)
 
         # --- node counts, as PyG's propagate infers them.
