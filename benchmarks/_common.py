@@ -13,9 +13,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from torch_gradops._memory import PeakMemory  # noqa: E402  (the one peak-memory measurement)
+from torch_gradops.testing import PeakMemory, format_bytes  # noqa: E402  (the one peak-memory measurement)
 
-__all__ = ["PeakMemory", "machine_info", "median_time", "run_worker", "write_json", "fmt_bytes"]
+__all__ = ["PeakMemory", "machine_info", "median_time", "run_worker", "write_json", "format_bytes"]
 
 
 def machine_info(device: str) -> dict:
@@ -85,10 +85,3 @@ def write_json(path: str, payload: dict) -> None:
         json.dump(payload, f, indent=2)
     print(f"wrote {path}")
 
-
-def fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return str(n)

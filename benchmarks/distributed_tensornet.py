@@ -27,8 +27,8 @@ def _rank_run(rank, world_size, threads, rows, cols, depth, limit_div, repeats, 
     import torch.distributed as dist
 
     import torch_gradops as tg
-    from torch_gradops._demo_tensornet import circuit_amplitude_network
-    from torch_gradops.distributed import last_contract_stats
+    from torch_gradops.distributed import ContractStats
+    from torch_gradops.testing import circuit_amplitude_network
 
     torch.set_num_threads(threads)
     dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
@@ -42,20 +42,21 @@ def _rank_run(rank, world_size, threads, rows, cols, depth, limit_div, repeats, 
     limit = max(base.largest_intermediate[1] // limit_div, 64)
     plan = tg.tensornet.plan(*args, memory_limit=limit, optimize="greedy")
 
-    def step():
-        out = tg.tensornet.contract(*args, plan=plan, process_group=dist.group.WORLD)
+    def step(stats=None):
+        out = tg.distributed.contract(*args, plan=plan, process_group=dist.group.WORLD, stats=stats)
         torch.autograd.grad(out.abs().square(), operands)
 
     step()  # warm-up
     times, stats = [], []
     for _ in range(repeats):
         dist.barrier()
+        s = ContractStats()
         t0 = time.perf_counter()
-        step()
+        step(s)
         times.append(time.perf_counter() - t0)
-        stats.append(last_contract_stats())
-    return {"seconds": statistics.median(times), "compute_s": statistics.median(s["compute_s"] for s in stats),
-            "comm_s": statistics.median(s["comm_s"] for s in stats), "slices": stats[-1]["slices"],
+        stats.append(s)
+    return {"seconds": statistics.median(times), "compute_s": statistics.median(s.compute_s for s in stats),
+            "comm_s": statistics.median(s.comm_s for s in stats), "slices": stats[-1].slices,
             "num_slices": plan.num_slices, "flops": plan.flops, "tensors": len(operands),
             "sliced_modes": len(plan.sliced_modes)}
 
@@ -72,7 +73,7 @@ def main():
     p.add_argument("--out", default=None)
     args = p.parse_args()
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # idle OpenMP threads must not spin on shared cores
-    from torch_gradops.distributed import launch
+    from torch_gradops.testing import launch
 
     backend = "nccl" if args.device == "cuda" else "gloo"
     runs = [(w, 1) for w in args.ranks] + ([(1, 2)] if args.device == "cpu" else [])

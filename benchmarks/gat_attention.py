@@ -18,24 +18,14 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakMemory, fmt_bytes, machine_info, median_time, run_worker, write_json  # noqa: E402
+from _common import PeakMemory, format_bytes, machine_info, median_time, run_worker, write_json  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
 
-def composite_gat(x_src, a_src, a_dst, src, dst, num_dst, negative_slope=0.2):
-    """The reference: what PyG's GATConv does between its projections and bias."""
-    s = F.leaky_relu(a_src.index_select(0, src) + a_dst.index_select(0, dst), negative_slope)
-    smax = torch.full((num_dst, s.size(1)), float("-inf"), dtype=s.dtype, device=s.device)
-    smax = smax.scatter_reduce(0, dst.view(-1, 1).expand_as(s), s.detach(), "amax", include_self=True)
-    p = (s - smax.index_select(0, dst)).exp()
-    alpha = p / torch.zeros_like(smax).index_add(0, dst, p).index_select(0, dst)
-    out = torch.zeros((num_dst,) + x_src.shape[1:], dtype=x_src.dtype, device=x_src.device)
-    return out.index_add(0, dst, alpha.unsqueeze(-1) * x_src.index_select(0, src))
-
-
 def worker(args) -> dict:
     import torch_gradops as tg
+    from torch_gradops.testing import gat_composite
 
     torch.set_num_threads(args.threads)
     device, dtype = args.device, getattr(torch, args.dtype)
@@ -52,7 +42,7 @@ def worker(args) -> dict:
         call = lambda: tg.gat_attention(x, a_src, a_dst, graph)
     else:
         src, dst = edge_index[0], edge_index[1]
-        call = lambda: composite_gat(x, a_src, a_dst, src, dst, n)
+        call = lambda: gat_composite(x, a_src, a_dst, src, dst, n)[0]
 
     def step():
         if args.mode == "fwd":
@@ -120,7 +110,7 @@ def _row_text(row):
     def cell(r):
         if "error" in r:
             return f"{'error: ' + str(r['error'])[:40]:>34}"
-        return f"{r['seconds'] * 1e3:10.1f} ms {fmt_bytes(r['peak_extra_bytes']):>12}"
+        return f"{r['seconds'] * 1e3:10.1f} ms {format_bytes(r['peak_extra_bytes']):>12}"
     extra = ""
     if "speedup" in row:
         extra = f" | speed-up {row['speedup']:5.1f}x | memory {row['memory_ratio']:6.1f}x less"

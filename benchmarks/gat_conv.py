@@ -31,7 +31,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from _common import PeakMemory, machine_info, run_worker  # noqa: E402
+from _common import PeakMemory, format_bytes, machine_info, run_worker  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- worker side
@@ -88,8 +88,8 @@ def run_config(impl, mode, nodes, edges, a) -> dict:
                       timeout=a.timeout, env={"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)})
 
 
-def fmt_bytes(b):
-    return "-" if b is None else f"{b / 2**20:9.1f} MiB"
+def _mem(b):
+    return "-" if b is None else format_bytes(b)
 
 
 def main():
@@ -148,7 +148,7 @@ def main():
             to = f"{t_o * 1e3:8.1f}ms" if t_o else "    failed"
             spc = f"{row['speedup_cpu_time']:7.1f}x" if row["speedup_cpu_time"] else "     n/a"
             print(f"{nodes:9d} {edges:10d} {mode:>8s} | {tp:>10s} {to:>10s} {sp:>8s} {spc:>8s} | "
-                  f"{fmt_bytes(m_p):>13s} {fmt_bytes(m_o):>13s} {mr}", flush=True)
+                  f"{_mem(m_p):>13s} {_mem(m_o):>13s} {mr}", flush=True)
             for impl in ("pyg", "ours"):
                 if "error" in row[impl]:
                     print(f"   {impl} failed: {row[impl]['error'][-300:]}")

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from _common import machine_info, run_worker  # noqa: E402
 
-from torch_gradops._memory import peak_allocated_bytes as _peak_bytes  # noqa: E402
+from torch_gradops.testing import format_bytes, interleave, peak_allocated_bytes  # noqa: E402
 warnings.filterwarnings("ignore")
 
 THREADS = 2
@@ -37,7 +37,7 @@ THREADS = 2
 # ---------------------------------------------------------------------------- cases
 def make_network(spec):
     import torch
-    from torch_gradops import _demo_tensornet as demo
+    from torch_gradops import testing as demo
     dtype = getattr(torch, spec["dtype"])
     kind, kw = spec["kind"], spec["params"]
     if kind == "circuit":
@@ -50,10 +50,7 @@ def make_network(spec):
 
 
 def _interleaved(inputs, output, arrays):
-    args = []
-    for t, a in zip(inputs, arrays):
-        args += [a, t]
-    return args + [list(output)]
+    return interleave(inputs, arrays, output)
 
 
 def build_specs(quick: bool):
@@ -132,7 +129,7 @@ def _median_time(fn, budget_s, min_reps=3, max_reps=30):
 def make_callable(impl, spec, inputs, output, arrays):
     """A function of the operand list returning the contraction (scalar here)."""
     import opt_einsum
-    from torch_gradops import _demo_tensornet as demo
+    from torch_gradops import testing as demo
     from torch_gradops import tensornet as tn
     path = [tuple(p) for p in spec["path"]]
     sliced = spec["sliced"]
@@ -181,8 +178,8 @@ def worker(spec, impl):
         torch.autograd.grad(loss, leaves)
     t_fb, n_fb = _median_time(fwd_bwd, budget, min_reps=5)
     with torch.no_grad():
-        peak_fwd = _peak_bytes(lambda: fn(arrays))
-    peak_fb = _peak_bytes(fwd_bwd)
+        peak_fwd = peak_allocated_bytes(lambda: fn(arrays))
+    peak_fb = peak_allocated_bytes(fwd_bwd)
     return dict(case=spec["name"], impl=impl, value=[value.real, value.imag], fwd_s=t_fwd, fwd_reps=n_fwd,
                 fwdbwd_s=t_fb, fwdbwd_reps=n_fb, fwd_peak_bytes=peak_fwd, fwdbwd_peak_bytes=peak_fb)
 
@@ -209,10 +206,6 @@ def _run_sub(args, timeout=600):
 
 def _fmt_t(s):
     return f"{s * 1e3:.3g} ms" if s < 1 else f"{s:.3g} s"
-
-
-def _fmt_b(b):
-    return f"{b / 2**20:.3g} MiB"
 
 
 def main():
@@ -254,7 +247,7 @@ def main():
                 r["fwd_flops_per_s"] = spec["flops"] / r["fwd_s"]
                 r["fwd_fraction_of_matmul"] = r["fwd_flops_per_s"] / peak_ref if peak_ref else None
                 print(f"  {spec['name']:9s} {impl:14s} fwd {_fmt_t(r['fwd_s']):>10s}  fwd+bwd {_fmt_t(r['fwdbwd_s']):>10s}"
-                      f"  peak fwd {_fmt_b(r['fwd_peak_bytes']):>10s}  peak fwd+bwd {_fmt_b(r['fwdbwd_peak_bytes']):>10s}",
+                      f"  peak fwd {format_bytes(r['fwd_peak_bytes']):>10s}  peak fwd+bwd {format_bytes(r['fwdbwd_peak_bytes']):>10s}",
                       flush=True)
             else:
                 print(f"  {spec['name']:9s} {impl:14s} ERROR {r['error'][-300:]}", flush=True)
@@ -292,7 +285,7 @@ def main():
                 continue
             frac = r.get("fwd_fraction_of_matmul")
             print(f"| {spec['name']} | {spec['n_tensors']} | {spec['num_slices']} | {spec['flops'] / 1e9:.3g} | {r['impl']} | "
-                  f"{_fmt_t(r['fwd_s'])} | {_fmt_t(r['fwdbwd_s'])} | {_fmt_b(r['fwdbwd_peak_bytes'])} | "
+                  f"{_fmt_t(r['fwd_s'])} | {_fmt_t(r['fwdbwd_s'])} | {format_bytes(r['fwdbwd_peak_bytes'])} | "
                   f"{r['fwd_flops_per_s'] / 1e9:.3g} ({100 * frac:.1f}%) |" if frac else "|")
     print()
     for s in summary:

@@ -1,20 +1,7 @@
-// Executor for compiled tensor-network contraction programs (torch_gradops/tensornet.py).
+// Executor for compiled tensor-network contraction programs (torch_gradops/tensornet/).
 //
-// A program is a flat int64 list that the Python planner emits once per plan:
-//
-//   header : VERSION, n_operands, n_sliced, out_ndim, out_shape[out_ndim], n_instr
-//   SELECT  : 1, slot, dim, k                  slot = slot.select(dim, index of sliced mode k)
-//   SUM     : 2, slot, n, dims[n]              slot = slot.sum(dims)
-//   CONTRACT: 3, a, b, c, ra, permA[ra], rb, permB[rb], tA, tB, Bt, M, K, N, rc, shapeC[rc]
-//             slot c = bmm(A, B).view(shapeC) with A = a.permute(permA).reshape(Bt,M,K) or, if tA,
-//             a.permute(permA).reshape(Bt,K,M).transpose(1,2) (B likewise: [Bt,K,N] or, if tB,
-//             [Bt,N,K] transposed): the planner picks the layout that needs no copy. Slots a and b
-//             are released.
-//   FINAL   : 4, slot, rf, perm[rf], n_blk, (pos, k)[n_blk]
-//             out.select(pos, index of sliced mode k)... += slot.permute(perm)
-//   CHECKPOINT: 5                              no-op forward; the backward keeps the live slots
-//             here and recomputes one segment between checkpoints at a time (see
-//             contract_program_backward)
+// The program format (opcodes, layout) is in contract_program.h, the twin of
+// torch_gradops/tensornet/program.py.
 //
 // Slots 0..n_operands-1 hold the operands; every CONTRACT creates a new slot. A "slice table"
 // holds one row of n_sliced indices per slice to run; the op runs all rows in one call and sums
@@ -31,32 +18,10 @@
 #include <vector>
 
 #include "checks.h"
+#include "contract_program.h"
 
 namespace torch_gradops {
 namespace {
-
-constexpr int64_t kVersion = 1;
-enum Op : int64_t { kSelect = 1, kSum = 2, kContract = 3, kFinal = 4, kCheckpoint = 5 };
-
-struct Instr {
-  int64_t op = 0;
-  int64_t slot = 0, dim = 0, k = 0;             // SELECT (slot also for SUM/FINAL)
-  std::vector<int64_t> dims;                    // SUM dims
-  int64_t a = 0, b = 0, c = 0;                  // CONTRACT
-  std::vector<int64_t> perm_a, perm_b, shape_c;
-  int64_t bt = 0, m = 0, kk = 0, n = 0;
-  bool ta = false, tb = false;
-  std::vector<int64_t> perm;                    // FINAL
-  std::vector<std::pair<int64_t, int64_t>> blocks;  // FINAL (pos, k), pos descending
-};
-
-struct Program {
-  int64_t n_operands = 0, n_sliced = 0, n_slots = 0;
-  std::vector<int64_t> out_shape;
-  std::vector<Instr> instrs;
-  std::vector<size_t> checkpoints;  // instruction indices of the CHECKPOINTs
-  std::vector<size_t> consumer;     // per slot: the CONTRACT or FINAL that uses it
-};
 
 // Bounds-checked reader: a malformed program is an error, never an out-of-range read.
 struct Reader {
@@ -75,7 +40,9 @@ struct Reader {
   }
 };
 
-Program decode(at::IntArrayRef prog, int64_t n_given) {
+}  // namespace
+
+Program decode_program(at::IntArrayRef prog, int64_t n_given) {
   Reader r{prog};
   Program P;
   TORCH_CHECK(r.next() == kVersion, "contract_program: unknown program version");
@@ -152,6 +119,46 @@ Program decode(at::IntArrayRef prog, int64_t n_given) {
   }
   return P;
 }
+
+std::vector<int64_t> encode_program(const Program& P) {
+  std::vector<int64_t> out{kVersion, P.n_operands, P.n_sliced, static_cast<int64_t>(P.out_shape.size())};
+  out.insert(out.end(), P.out_shape.begin(), P.out_shape.end());
+  out.push_back(static_cast<int64_t>(P.instrs.size()));
+  auto vec = [&](const std::vector<int64_t>& v) {
+    out.push_back(static_cast<int64_t>(v.size()));
+    out.insert(out.end(), v.begin(), v.end());
+  };
+  for (const Instr& in : P.instrs) {
+    out.push_back(in.op);
+    switch (in.op) {
+      case kSelect:
+        out.insert(out.end(), {in.slot, in.dim, in.k});
+        break;
+      case kSum:
+        out.push_back(in.slot);
+        vec(in.dims);
+        break;
+      case kContract:
+        out.insert(out.end(), {in.a, in.b, in.c});
+        vec(in.perm_a);
+        vec(in.perm_b);
+        out.insert(out.end(), {int64_t(in.ta), int64_t(in.tb), in.bt, in.m, in.kk, in.n});
+        vec(in.shape_c);
+        break;
+      case kFinal:
+        out.push_back(in.slot);
+        vec(in.perm);
+        out.push_back(static_cast<int64_t>(in.blocks.size()));
+        for (const auto& [pos, k] : in.blocks) out.insert(out.end(), {pos, k});
+        break;
+      default:  // kCheckpoint: no operands
+        break;
+    }
+  }
+  return out;
+}
+
+namespace {
 
 int64_t num_rows(const Program& P, at::IntArrayRef table) {
   if (P.n_sliced == 0) {
@@ -330,7 +337,7 @@ at::Tensor finish_single(at::Tensor r, at::TensorList operands) {
 // Sum over the slice-table rows of the program's result, shape out_shape, dtype of the operands.
 at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at::IntArrayRef slice_table) {
   check_operands(operands);
-  const Program P = decode(program, static_cast<int64_t>(operands.size()));
+  const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   const int64_t rows = num_rows(P, slice_table);
   const Instr& fin = P.instrs.back();
   if (rows == 1 && fin.blocks.empty()) {
@@ -364,7 +371,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::Tens
                                                                         at::IntArrayRef slice_table,
                                                                         at::IntArrayRef needs_grad) {
   check_operands(operands);
-  const Program P = decode(program, static_cast<int64_t>(operands.size()));
+  const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   TORCH_CHECK(num_rows(P, slice_table) == 1, "contract_program_cached: runs exactly one slice");
   const std::vector<char> needs = slot_needs(P, needs_grad);
   const Instr& fin = P.instrs.back();
@@ -398,7 +405,7 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
                                                   at::IntArrayRef slice_table, const at::Tensor& grad_out,
                                                   at::IntArrayRef needs_grad, at::TensorList cached) {
   check_operands(operands);
-  const Program P = decode(program, static_cast<int64_t>(operands.size()));
+  const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   const int64_t rows = num_rows(P, slice_table);
   TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
               "contract_program_backward: needs_grad must have one entry per operand");

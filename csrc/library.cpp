@@ -3,6 +3,11 @@
 // implements them per backend in csrc/cpu and csrc/cuda with TORCH_LIBRARY_IMPL.
 #include <torch/extension.h>
 
+#include <map>
+#include <string>
+
+#include "contract_program.h"
+
 TORCH_LIBRARY(torch_gradops, m) {}
 
 namespace {
@@ -18,4 +23,14 @@ bool with_cuda() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "torch_gradops compiled kernels (ops are registered under torch.ops.torch_gradops)";
   m.def("with_cuda", &with_cuda, "True if the CUDA kernels were compiled in.");
+  // The C++ side of the contraction program format, for the test that keeps it in step with
+  // torch_gradops/tensornet/program.py.
+  m.def("contract_program_format", [] {
+    using namespace torch_gradops;
+    return std::map<std::string, int64_t>{{"VERSION", kVersion}, {"SELECT", kSelect}, {"SUM", kSum},
+                                          {"CONTRACT", kContract}, {"FINAL", kFinal}, {"CHECKPOINT", kCheckpoint}};
+  }, "Version and opcodes of the contraction program format.");
+  m.def("reencode_contract_program", [](std::vector<int64_t> program, int64_t n_operands) {
+    return torch_gradops::encode_program(torch_gradops::decode_program(program, n_operands));
+  }, "Decode a contraction program with the executor's decoder and encode it again.");
 }

@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_gradops.distributed import launch, split_by_cost
+from torch_gradops.distributed import split_by_cost
+from torch_gradops.testing import launch
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 TIMEOUT = 240
@@ -112,17 +113,17 @@ def _tn_inputs(case):
 def _tn_ranks(rank, world_size):
     import torch.distributed as dist
 
-    import torch_gradops as tg
-    from torch_gradops.distributed import last_contract_stats
+    from torch_gradops.distributed import ContractStats, contract
 
     results = []
     for case in range(len(TN_CASES)):
         expr, ops, slicing = _tn_inputs(case)
         ops = [o.requires_grad_() for o in ops]
-        out = tg.tensornet.contract(expr, *ops, slicing=slicing, process_group=dist.group.WORLD)
+        stats = ContractStats()
+        out = contract(expr, *ops, slicing=slicing, process_group=dist.group.WORLD, stats=stats)
         weight = torch.linspace(-1, 2, out.numel(), dtype=torch.float64).view(out.shape)
         (out.real * weight).sum().backward()
-        results.append((out.detach(), [o.grad for o in ops], last_contract_stats()["slices"]))
+        results.append((out.detach(), [o.grad for o in ops], stats.slices))
     return results
 
 

@@ -740,7 +740,7 @@ def test_cora_loader():
 
 
 def test_cora_short_training_beats_floor():
-    from torch_gradops._demo_cora import train_cora
+    from torch_gradops.testing import train_cora
     from torch_gradops.datasets import load_cora
     data = load_cora(normalize_features=True)
     r = train_cora(GATConv, data, torch.device("cpu"), epochs=40, seed=0)

@@ -9,7 +9,11 @@ import torch
 
 import opt_einsum
 from torch_gradops import tensornet as tn
-from torch_gradops._memory import peak_allocated_bytes as _peak_bytes
+from torch_gradops.tensornet import autograd as tn_autograd
+from torch_gradops.tensornet.compiler import compile_program
+from torch_gradops.tensornet.program import Checkpoint, Contract, decode, encode
+from torch_gradops.testing import circuit_amplitude_network
+from torch_gradops.testing import peak_allocated_bytes as _peak_bytes
 
 F64, C128 = torch.float64, torch.complex128
 
@@ -428,7 +432,7 @@ def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
     c = _rand((5, 2), gen=gen)  # does not require grad
     d = _rand((7,), gen=gen, requires_grad=True)  # not part of the output
     calls, cached_lens = [], []
-    real = tn.ops
+    real = tn_autograd.ops
 
     class Spy:
         def __getattr__(self, name):
@@ -441,7 +445,7 @@ def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
                 return op(*args)
             return wrapped
 
-    monkeypatch.setattr(tn, "ops", Spy())
+    monkeypatch.setattr(tn_autograd, "ops", Spy())
     a1, b1 = a * 1, b * 1  # non-leaf operands: the engine tells which branches run
     out = tn.contract("ab,bc,cd->ad", a1, b1, c)
     ga, gd = torch.autograd.grad(out.sum(), [a, d], allow_unused=True)
@@ -553,22 +557,22 @@ def test_checkpointed_backward_matches_and_bounds_memory(dtype):
     gen = torch.Generator().manual_seed(33)
     expr, ops = _ladder(gen, dtype=dtype, n=6, chi=3)
     p = tn.plan(expr, *ops, slicing={"min_slices": 4})
-    table = list(p._table(None))
+    table = list(p.slice_set.table(None))
     g = _rand(p.output_shape, dtype, gen)
     needs = [1] * len(ops)
-    ref_out = torch.ops.torch_gradops.contract_program(ops, list(p._compiled.program), table)
-    ref = torch.ops.torch_gradops.contract_program_backward(ops, list(p._compiled.program), table, g, needs, [])
+    ref_out = torch.ops.torch_gradops.contract_program(ops, list(p.program), table)
+    ref = torch.ops.torch_gradops.contract_program_backward(ops, list(p.program), table, g, needs, [])
     steps = len(p.path)
     for cps in ([1], [2, 5], [3, steps - 1], list(range(1, steps))):
-        prog, _ = tn._compile(p._eff_inputs, p._eff_output, p._ids, p.path, p._sliced,
-                              torch.empty((), dtype=dtype).element_size(), dtype.is_complex, cps)
-        assert sum(1 for x in prog if x == tn._CHECKPOINT) >= len(cps)
+        program, _ = compile_program(p.network.inputs, p.network.output, p.network.sizes, p.path, p.sliced_ids,
+                                     torch.empty((), dtype=dtype).element_size(), dtype.is_complex, cps)
+        assert sum(isinstance(x, Checkpoint) for x in program.instructions) >= len(cps)
+        prog = encode(program)
         _close(torch.ops.torch_gradops.contract_program(ops, list(prog), table), ref_out)
         got = torch.ops.torch_gradops.contract_program_backward(ops, list(prog), table, g, needs, [])
         for x, y in zip(got, ref):
             _close(x, y)
     # a deep network whose intermediates all together exceed the budget: the plan checkpoints
-    from torch_gradops._demo_tensornet import circuit_amplitude_network
     inputs, output, arrays = circuit_amplitude_network(3, 3, 8, seed=2, dtype=dtype if dtype.is_complex else C128)
     args = [x for t, a in zip(inputs, arrays) for x in (a, t)] + [list(output)]
     full = tn.plan(*args, optimize="greedy")
@@ -742,7 +746,7 @@ def test_opcheck():
     a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)
     for slicing in (None, ["b", "a"]):
         p = tn.plan("ab,bc,cd->ad", a, b, c, slicing=slicing)
-        prog, table = list(p._compiled.program), list(p._table(None))
+        prog, table = list(p.program), list(p.slice_set.table(None))
         torch.library.opcheck(torch.ops.torch_gradops.contract_program.default, ([a, b, c], prog, table))
         torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
                               ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 0, 1], []))
@@ -811,13 +815,9 @@ def test_transposed_gemm_layouts(expr):
     terms = expr.split("->")[0].split(",")
     ops = [_rand(tuple(size[c] for c in t), C128, gen, requires_grad=True) for t in terms]
     p = tn.plan(expr, *ops)
-    prog = p._compiled.program
-    i = 4 + prog[3] + 1
-    while prog[i] != 3:  # skip to the CONTRACT
-        i += 4 if prog[i] == 1 else 3 + prog[i + 2]
-    ra = prog[i + 4]
-    rb = prog[i + 5 + ra]
-    ta, tb = prog[i + 6 + ra + rb], prog[i + 7 + ra + rb]
+    prog = p.program
+    step, = [x for x in decode(prog).instructions if isinstance(x, Contract)]
+    ta, tb = int(step.ta), int(step.tb)
     expect = {"ji,jk->ik": (1, 0), "ij,kj->ik": (0, 1), "ji,kj->ik": (1, 1)}.get(expr)
     if expect is not None:
         assert (ta, tb) == expect

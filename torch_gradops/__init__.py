@@ -9,10 +9,11 @@ from .graph import BipartiteCSC
 from .gat import GATAttentionFunction, gat_attention, mha_gat_n2n
 from . import tensornet
 from .tensornet import ContractFunction, ContractionPlan
+from . import distributed  # noqa: E402  (registers tensornet.contract(process_group=...))
 
 contract = tensornet.contract  # torch_gradops.contract(expr, *operands, ...)
 
 __version__ = "0.1.0"
 
 __all__ = ["BipartiteCSC", "GATAttentionFunction", "gat_attention", "mha_gat_n2n", "built_with_cuda",
-           "tensornet", "contract", "ContractFunction", "ContractionPlan"]
+           "tensornet", "distributed", "contract", "ContractFunction", "ContractionPlan"]

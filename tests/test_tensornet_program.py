@@ -1,0 +1,76 @@
+"""The contraction program format: Python (tensornet/program.py) and C++ (csrc/contract_program.h)
+stay in step. Programs encoded in Python decode and re-encode unchanged on both sides."""
+import pytest
+import torch
+
+from torch_gradops import tensornet as tn
+from torch_gradops.tensornet import program as fmt
+from torch_gradops.testing import circuit_amplitude_network, interleave
+
+
+def _cpp_reencode(ints, n_operands):
+    return fmt.executor_reencode(ints, n_operands)
+
+
+def test_version_and_opcodes_match_the_executor():
+    cpp = fmt.executor_format()
+    py = {name: getattr(fmt, name) for name in ("VERSION", "SELECT", "SUM", "CONTRACT", "FINAL", "CHECKPOINT")}
+    assert cpp == py
+
+
+# Every instruction and field: a hand-written program (not a planner output), so that a field
+# the planner happens not to vary is still checked.
+HANDMADE = fmt.Program(
+    n_operands=2, n_sliced=2, out_shape=(3, 2, 5),
+    instructions=(
+        fmt.Select(0, 1, 0),
+        fmt.Select(1, 0, 1),
+        fmt.Sum(1, (2,)),
+        fmt.Checkpoint(),
+        fmt.Contract(a=0, b=1, c=2, perm_a=(1, 0), perm_b=(0, 1), ta=True, tb=False, bt=1, m=3, k=4, n=5,
+                     shape_c=(3, 5)),
+        fmt.Final(slot=2, perm=(0, 1), blocks=((1, 1),)),
+    ))
+
+
+def test_handmade_program_round_trips():
+    ints = fmt.encode(HANDMADE)
+    assert fmt.decode(ints) == HANDMADE
+    assert _cpp_reencode(ints, 2) == ints
+
+
+def _plans():
+    gen = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(s, generator=gen, dtype=torch.float64) for s in ((3, 4), (4, 5), (5, 2)))
+    yield tn.plan("ab,bc,cd->ad", a, b, c)
+    yield tn.plan("ab,bc,cd->ad", a, b, c, slicing=["b", "a"])  # a sliced output mode: FINAL blocks
+    yield tn.plan("ab,bc,cd->", a, b, c, slicing={"min_slices": 4})
+    yield tn.plan("ii,ij->j", (4, 4), (4, 3))                     # diagonal preprocessing
+    yield tn.plan("abc,bcd,ce->ade", (2, 5, 3), (5, 3, 2), (3, 4))  # hyperedge c
+    inputs, output, arrays = circuit_amplitude_network(3, 3, 8, seed=2, dtype=torch.complex128)
+    args = interleave(inputs, arrays, output)
+    full = tn.plan(*args, optimize="greedy")
+    yield tn.plan(*args, optimize="greedy", memory_limit=full.slice_working_set // 3)  # CHECKPOINTs
+
+
+@pytest.mark.parametrize("k", range(6))
+def test_planner_programs_round_trip(k):
+    p = list(_plans())[k]
+    prog = fmt.decode(p.program)
+    assert fmt.encode(prog) == p.program
+    assert _cpp_reencode(p.program, prog.n_operands) == p.program
+    assert prog.n_sliced == len(p.sliced_modes)
+    assert prog.out_shape == p.output_shape
+    if k == 5:
+        assert any(isinstance(x, fmt.Checkpoint) for x in prog.instructions)
+
+
+def test_malformed_programs_are_refused_on_both_sides():
+    ints = list(fmt.encode(HANDMADE))
+    for bad in (ints[:-1], ints + [0], [fmt.VERSION + 1] + ints[1:]):
+        with pytest.raises(ValueError):
+            fmt.decode(bad)
+        with pytest.raises(RuntimeError, match="contract_program"):
+            _cpp_reencode(bad, 2)
+    with pytest.raises(RuntimeError, match="program is for 2 operands"):
+        _cpp_reencode(ints, 3)

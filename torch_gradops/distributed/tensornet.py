@@ -1,0 +1,151 @@
+"""Sliced tensor-network contraction shared by the ranks of a process group.
+
+Each rank contracts its slice group; one ``all_reduce`` (sum) combines the partial results,
+which covers both summed sliced modes and sliced output modes (a slice group's result holds its
+output blocks and zeros elsewhere). In backward each rank computes the gradients of its slices
+(one slice's intermediates at a time) and one ``all_reduce`` per dtype sums them, so
+``loss.backward()`` on every rank gives every rank the full gradient, provided every rank
+backpropagates the same output gradient (as when each computes the same loss from the full
+result). With no process group initialised it is a plain local contraction.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..tensornet import resolve
+
+__all__ = ["contract", "contract_plan", "ContractStats", "DistributedContractFunction", "split_by_cost"]
+
+
+def split_by_cost(costs: Sequence[float], world_size: int) -> List[List[int]]:
+    """Split items ``0..len(costs)-1`` into ``world_size`` groups of near-equal total cost.
+
+    Greedy longest-processing-time: items by decreasing cost, each to the currently lightest
+    rank (ties to the lowest rank), so every rank computes the same split. Groups keep the
+    items in increasing order; a rank may get none when there are fewer items than ranks.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    loads = [0.0] * world_size
+    groups: List[List[int]] = [[] for _ in range(world_size)]
+    for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+        rank = min(range(world_size), key=lambda r: (loads[r], r))
+        groups[rank].append(item)
+        loads[rank] += float(costs[item])
+    return [sorted(g) for g in groups]
+
+
+@dataclass
+class ContractStats:
+    """What this rank did in a distributed contraction: filled in by the forward and added to
+    by the backward when passed as ``stats=`` (seconds computing and communicating, slices)."""
+    compute_s: float = 0.0
+    comm_s: float = 0.0
+    slices: int = 0
+
+
+def _rank_slices(plan, group) -> List[int]:
+    """This rank's slice group: slices split by cost (equal per slice within a plan)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    return split_by_cost([1.0] * plan.num_slices, world)[rank]
+
+
+def _check_same_plan(plan, group) -> None:
+    """Every rank must run the same path and slicing, or the partial sums do not add up.
+    Randomised optimisers (cotengra's hyper-search) can differ per rank: refuse that."""
+    mine = (list(plan.path), list(plan.sliced_modes), plan.num_slices)
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)  # all ranks see all plans: all raise together
+    if any(other != every[0] for other in every):
+        raise RuntimeError(
+            "ranks planned different contractions (path or sliced modes differ between ranks); "
+            "use a deterministic optimize= (e.g. 'auto' or 'greedy'), an explicit path and "
+            "slicing=[modes], or pass the same plan= on every rank")
+
+
+def _sync(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        torch.cuda.synchronize(t.device)
+
+
+class DistributedContractFunction(torch.autograd.Function):
+    """``apply(plan, group, slices, stats, *operands)``: this rank's slice group, then a sum
+    ``all_reduce``; ``backward``: this rank's slices' gradients, then a sum ``all_reduce``."""
+
+    @staticmethod
+    def forward(ctx, plan, group, slices, stats, *operands):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            part = plan.contract(*operands, slices=slices)
+        _sync(part)
+        t1 = time.perf_counter()
+        dist.all_reduce(part, group=group)
+        _sync(part)
+        if stats is not None:
+            stats.compute_s, stats.comm_s, stats.slices = t1 - t0, time.perf_counter() - t1, len(slices)
+        ctx.plan, ctx.group, ctx.slices, ctx.stats = plan, group, slices, stats
+        ctx.save_for_backward(*operands)
+        return part
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        if torch.is_grad_enabled():
+            raise NotImplementedError(
+                "create_graph=True through a distributed contraction is not supported; contract "
+                "locally (no process_group) for higher-order gradients")
+        operands = ctx.saved_tensors
+        want = ctx.needs_input_grad[4:]
+        t0 = time.perf_counter()
+        grads = [torch.zeros_like(op) if w else None for op, w in zip(operands, want)]
+        if ctx.slices:
+            ctx.plan.gradients(*operands, output_grad=grad_out.contiguous(), slices=ctx.slices,
+                               grads=grads, accumulate=True)
+        needed = [g for g in grads if g is not None]
+        if needed:
+            _sync(needed[0])
+        t1 = time.perf_counter()
+        # One collective per dtype: the gradients travel as one flat buffer.
+        for dtype in dict.fromkeys(g.dtype for g in needed):
+            group_grads = [g for g in needed if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in group_grads])
+            dist.all_reduce(flat, group=ctx.group)
+            offset = 0
+            for g in group_grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        if needed:
+            _sync(needed[0])
+        if ctx.stats is not None:
+            ctx.stats.compute_s += t1 - t0
+            ctx.stats.comm_s += time.perf_counter() - t1
+        return (None, None, None, None, *grads)
+
+
+def contract_plan(plan, operands, process_group=None, progress: bool = False,
+                  stats: Optional[ContractStats] = None) -> torch.Tensor:
+    """Contract ``operands`` with ``plan``, the slices shared by the ranks of ``process_group``
+    (default: the whole world when ``torch.distributed`` is initialised; otherwise local).
+    Every rank gets the full result; gradients flow as described in the module docstring.
+    ``stats``: a :class:`ContractStats` to fill in (this rank's compute and communication time)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return plan.contract(*operands, progress=progress)
+    group = process_group if process_group is not None else dist.group.WORLD
+    if dist.get_world_size(group) == 1:
+        return plan.contract(*operands, progress=progress)
+    _check_same_plan(plan, group)
+    slices = _rank_slices(plan, group)
+    return DistributedContractFunction.apply(plan, group, slices, stats, *operands)
+
+
+def contract(*args, process_group=None, memory_limit=None, optimize="auto", slicing=None, plan=None,
+             progress: bool = False, stats: Optional[ContractStats] = None) -> torch.Tensor:
+    """:func:`torch_gradops.tensornet.contract` with the slices shared by the ranks of
+    ``process_group`` (default: the world group when initialised; a plain local contraction
+    when ``torch.distributed`` is not initialised); ``stats`` as in :func:`contract_plan`."""
+    plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan)
+    return contract_plan(plan, operands, process_group, progress=progress, stats=stats)

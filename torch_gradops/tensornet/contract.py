@@ -1,0 +1,172 @@
+"""Entry points: :func:`contract`, :func:`plan` and :func:`resolve` (arguments -> cached plan)."""
+from __future__ import annotations
+
+from typing import Callable, Dict, Optional
+
+import torch
+
+from . import parser
+from .plan import PLANS, ContractionPlan, build_plan
+
+__all__ = ["contract", "plan", "resolve", "plan_cache_info", "clear_plan_cache", "register_process_group_runner"]
+
+
+def plan_cache_info() -> Dict[str, int]:
+    """Plan-cache counters: ``hits``, ``misses``, ``path_searches`` (path optimizer runs),
+    ``size``."""
+    return PLANS.info()
+
+
+def clear_plan_cache() -> None:
+    """Forget every cached plan and reset the counters."""
+    PLANS.clear()
+
+
+def _freeze(x):
+    if isinstance(x, (list, tuple)):
+        return tuple(_freeze(v) for v in x)
+    if isinstance(x, dict):
+        return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
+    try:
+        hash(x)
+        return x
+    except TypeError:
+        return ("id", id(x))
+
+
+def _plan_key(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing, gradients):
+    """The plan cache's key. Without a memory limit, planning for gradients or not gives the
+    same plan, so both share one entry."""
+    return (expr if expr is not None else (_freeze(terms), _freeze(output)), tuple(shapes), dtype, device_type,
+            _freeze(memory_limit), _freeze(optimize), _freeze(slicing), bool(gradients) or memory_limit is None)
+
+
+def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
+              gradients=True) -> ContractionPlan:
+    key = _plan_key(expr, terms, output, shapes, dtype, device.type, memory_limit, optimize, slicing, gradients)
+    p = PLANS.get(key)
+    if p is None:
+        p = PLANS.build(key, lambda: build_plan(expr, terms, output, shapes, dtype, device.type, memory_limit,
+                                                optimize, slicing, device, interleaved=interleaved,
+                                                gradients=key[-1]))
+    return p
+
+
+def _promoted_dtype(tensors) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_limit=None,
+         optimize="auto", slicing=None, device=None, gradients: bool = True) -> ContractionPlan:
+    """Plan a contraction (cached).
+
+    ``expr``: an einsum string (``"ab,bc->ac"``, implicit output, ``...``, any Unicode letter as
+    a label) followed by operands or their shapes; or the interleaved form
+    ``plan(a, modes_a, b, modes_b, ..., [out_modes])`` with hashable labels.
+    ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory): what one slice's
+    forward + backward may hold beyond operands, output and gradients
+    (:attr:`ContractionPlan.slice_working_set`, which also bounds every intermediate and the
+    forward's working memory); modes are sliced, and backward checkpoints placed, until it
+    fits. Slicing for a budget therefore costs more than slicing only the largest
+    intermediate to it (cotengra's ``target_size``): about 5-10x the largest intermediate
+    must fit.
+    ``optimize``: "auto", "greedy", "optimal", "cotengra" (HyperOptimizer with its slicer), any
+    opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit path.
+    ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``.
+    ``gradients=False`` plans for the forward only: ``memory_limit`` then bounds every
+    intermediate (the forward's working memory), with as few sliced modes as that needs, as for
+    cotengra's ``target_size``; such a plan still differentiates correctly, but its backward
+    may exceed ``memory_limit``. :func:`contract` picks this mode itself when no operand
+    requires grad (or grad mode is off).
+    """
+    if isinstance(expr, str):
+        shapes, tensors = parser.shapes_of(operands_or_shapes)
+        terms, output = parser.parse_string(expr, len(shapes))
+        interleaved = False
+    else:
+        objs, terms, output = parser.split_interleaved((expr,) + operands_or_shapes)
+        shapes, tensors = parser.shapes_of(objs)
+        expr = None
+        interleaved = True
+    if tensors:
+        parser.check_operands(tensors)
+        if dtype is None:
+            dtype = _promoted_dtype(tensors)
+        device = tensors[0].device if device is None else torch.device(device)
+    dtype = dtype or torch.get_default_dtype()
+    device = torch.device(device or "cpu")
+    return _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
+                     gradients)
+
+
+def _wants_gradients(operands) -> bool:
+    """Whether a plan looked up for these operands must bound the backward too: only when grad
+    mode is on and some operand requires grad."""
+    return torch.is_grad_enabled() and any(op.requires_grad for op in operands)
+
+
+def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optional[ContractionPlan] = None):
+    """``(plan, operands)`` for :func:`contract`'s arguments: the plan (cached) and the operand
+    tensors, from an einsum string and operands or from the interleaved form."""
+    if not args:
+        raise TypeError("contract() needs an expression and operands")
+    if isinstance(args[0], str):
+        expr, operands = args[0], args[1:]
+        if plan is None:
+            parser.check_operands(operands)
+            shapes = [tuple(op.shape) for op in operands]
+            dtype = _promoted_dtype(operands)
+            gradients = _wants_gradients(operands)
+            key = _plan_key(expr, None, None, shapes, dtype, operands[0].device.type, memory_limit, optimize,
+                            slicing, gradients)
+            plan = PLANS.get(key)  # fast path: no parsing on a cache hit
+            if plan is None:
+                terms, output = parser.parse_string(expr, len(shapes))
+                plan = _get_plan(expr, terms, output, shapes, dtype, operands[0].device, memory_limit, optimize,
+                                 slicing, False, gradients)
+    else:
+        operands, terms, output = parser.split_interleaved(args)
+        if plan is None:
+            parser.check_operands(operands)
+            plan = _get_plan(None, terms, output, [tuple(op.shape) for op in operands], _promoted_dtype(operands),
+                             operands[0].device, memory_limit, optimize, slicing, True, _wants_gradients(operands))
+    if not isinstance(plan, ContractionPlan):
+        raise TypeError(f"plan must be a ContractionPlan, got {type(plan).__name__}")
+    return plan, operands
+
+
+# The runner for contract(process_group=...): torch_gradops.distributed registers it on import
+# (distributed uses tensornet, never the reverse).
+_process_group_runner: Optional[Callable] = None
+
+
+def register_process_group_runner(runner: Callable) -> None:
+    """Set what ``contract(..., process_group=g)`` calls: ``runner(plan, operands, g, progress=)``."""
+    global _process_group_runner
+    _process_group_runner = runner
+
+
+def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=None,
+             plan: Optional[ContractionPlan] = None, progress: bool = False, process_group=None) -> torch.Tensor:
+    """Contract a tensor network, differentiably.
+
+    ``contract("ab,bc->ac", a, b)`` or ``contract(a, [0, 1], b, [1, 2], [0, 2])``. Options as
+    in :func:`plan`; ``slices``: a slice group (None = all slices; a range or list of slice
+    ids: their partial sum, or their output blocks for sliced output modes); ``plan``: use this
+    plan instead of looking one up; ``progress``: a tqdm bar over slices; ``process_group``: a
+    ``torch.distributed`` group whose ranks share the slices (see
+    :func:`torch_gradops.distributed.contract`; every rank gets the full result).
+    Returns a tensor with one dimension per output mode (0-dim for a scalar).
+    """
+    plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan)
+    if process_group is not None:
+        if slices is not None:
+            raise ValueError("slices and process_group cannot be combined: the group splits the slices")
+        if _process_group_runner is None:
+            raise RuntimeError("contract(process_group=...) needs torch_gradops.distributed; import it first")
+        return _process_group_runner(plan, operands, process_group, progress=progress)
+    return plan.contract(*operands, slices=slices, progress=progress)

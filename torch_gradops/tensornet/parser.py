@@ -1,0 +1,305 @@
+"""Expressions: einsum strings and the interleaved form, mode labels, and the effective network.
+
+An expression names each operand's modes (``"ab,bc->ac"``, or ``(a, [0, 1], b, [1, 2], [0, 2])``
+in the interleaved form). :func:`network_of` turns the labels into small integer mode ids and
+describes the *effective* network the planner works on: broadcast (``...``) dimensions of extent 1
+squeezed away and repeated modes of one operand taken as diagonals, so that every mode occurs at
+most once per operand. :func:`preprocess` applies those steps to the operand tensors (as
+differentiable views).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+__all__ = ["EllipsisDim", "Network", "parse_string", "split_interleaved", "normalize_labels", "network_of",
+           "preprocess", "check_operands", "shapes_of", "label_str", "describe"]
+
+
+class EllipsisDim:
+    """Label of the ``p``-th broadcast (``...``) dimension, counted from the left of the
+    broadcast shape."""
+    __slots__ = ("p",)
+
+    def __init__(self, p):
+        self.p = p
+
+    def __eq__(self, other):
+        return isinstance(other, EllipsisDim) and other.p == self.p
+
+    def __hash__(self):
+        return hash(("torch_gradops.ellipsis", self.p))
+
+    def __repr__(self):
+        return f"...{self.p}"
+
+
+def label_str(label) -> str:
+    return label if isinstance(label, str) else repr(label)
+
+
+# ---------------------------------------------------------------------------- einsum strings
+def _parse_term(term: str, where: str) -> List[Any]:
+    if term.count("...") > 1:
+        raise ValueError(f"{where} has more than one '...'")
+    out: List[Any] = []
+    parts = term.split("...")
+    for j, part in enumerate(parts):
+        if j:
+            out.append(Ellipsis)
+        for ch in part:
+            if ch == "." or ch in ",->" or ch.isspace():
+                raise ValueError(f"{where}: character {ch!r} is not a mode label (a '.' must be part of '...')")
+            out.append(ch)
+    return out
+
+
+def parse_string(expr: str, n_operands: int):
+    """``(terms, output or None)`` of an einsum string: lists of labels (characters or
+    ``Ellipsis``); ``output`` is None for an implicit output."""
+    expr = "".join(expr.split())
+    if expr.count("->") > 1:
+        raise ValueError(f"expr {expr!r} has more than one '->'")
+    lhs, arrow, rhs = expr.partition("->")
+    if ("-" in lhs or ">" in lhs) or ("-" in rhs or ">" in rhs):
+        raise ValueError(f"expr {expr!r}: a '-' or '>' outside of '->'")
+    terms = lhs.split(",")
+    if len(terms) != n_operands:
+        raise ValueError(f"expr {expr!r} has {len(terms)} operand term(s) but {n_operands} operand(s) were given")
+    parsed = [_parse_term(t, f"term {i} ({t!r}) of expr") for i, t in enumerate(terms)]
+    output = _parse_term(rhs, "the output of expr") if arrow else None
+    return parsed, output
+
+
+# ---------------------------------------------------------------------------- interleaved form
+def _is_label_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and not isinstance(x, torch.Tensor)
+
+
+def split_interleaved(args):
+    """``(a, modes_a, b, modes_b, ..., [out_modes])`` -> ``(operands, terms, output or None)``."""
+    operands, terms = [], []
+    n = len(args)
+    for k in range(n // 2):
+        op, modes = args[2 * k], args[2 * k + 1]
+        if not _is_label_list(modes):
+            raise TypeError(f"interleaved form: the modes of operand {k} must be a list or tuple of "
+                            f"hashable labels, got {type(modes).__name__}")
+        for lab in modes:
+            if lab is not Ellipsis:
+                try:
+                    hash(lab)
+                except TypeError:
+                    raise TypeError(f"interleaved form: mode label {lab!r} of operand {k} is not hashable") from None
+        operands.append(op)
+        terms.append(list(modes))
+    output = None
+    if n % 2:
+        if not _is_label_list(args[-1]):
+            raise TypeError("interleaved form: the last argument must be the list of output modes, got "
+                            f"{type(args[-1]).__name__}")
+        output = list(args[-1])
+    if not operands:
+        raise ValueError("contract needs at least one operand")
+    return operands, terms, output
+
+
+def describe(terms, output) -> str:
+    """A readable expression for the interleaved form (plans and errors show it)."""
+    return "interleaved: " + ",".join("(" + ",".join(label_str(x) for x in t) + ")" for t in terms) + \
+        "->(" + ",".join(label_str(x) for x in output) + ")"
+
+
+# ---------------------------------------------------------------------------- operands
+def check_operands(operands) -> None:
+    """Operands must be tensors on one device."""
+    if not operands:
+        raise ValueError("contract needs at least one operand")
+    for i, op in enumerate(operands):
+        if not isinstance(op, torch.Tensor):
+            raise TypeError(f"operand {i} must be a torch.Tensor, got {type(op).__name__}")
+    dev = operands[0].device
+    for i, op in enumerate(operands):
+        if op.device != dev:
+            raise ValueError(f"operand {i} is on {op.device} but operand 0 is on {dev}; all operands must "
+                             "be on one device")
+
+
+def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Tensor]]:
+    """``(shapes, tensors)`` of a mix of tensors and shapes (tuples of non-negative ints)."""
+    shapes, tensors = [], []
+    for i, x in enumerate(operands_or_shapes):
+        if isinstance(x, torch.Tensor):
+            shapes.append(tuple(x.shape))
+            tensors.append(x)
+        elif isinstance(x, (tuple, list, torch.Size)) and all(isinstance(e, int) and e >= 0 for e in x):
+            shapes.append(tuple(int(e) for e in x))
+        else:
+            raise TypeError(f"operand {i} must be a torch.Tensor or a shape (tuple of non-negative ints), "
+                            f"got {type(x).__name__}")
+    return shapes, tensors
+
+
+# ---------------------------------------------------------------------------- labels
+def normalize_labels(terms, output, shapes):
+    """Expand ``...`` into per-dimension labels and check ranks and extents.
+
+    Returns ``(terms, output, sizes, broadcast)``: terms/output as lists of labels,
+    ``sizes[label]`` the extent, ``broadcast`` per operand the dims that are broadcast
+    (extent 1 against a larger extent of the same ``...`` dimension).
+    """
+    n_ell = 0
+    for i, (term, shape) in enumerate(zip(terms, shapes)):
+        named = sum(1 for x in term if x is not Ellipsis)
+        has_ell = any(x is Ellipsis for x in term)
+        if (len(shape) < named) if has_ell else (len(shape) != named):
+            raise ValueError(f"operand {i} has {len(shape)} dimension(s) (shape {tuple(shape)}) but its term "
+                             f"{''.join('...' if x is Ellipsis else label_str(x) for x in term)!r} names {named}")
+        if has_ell:
+            n_ell = max(n_ell, len(shape) - named)
+    ell_sizes = [1] * n_ell
+    out_terms = []
+    for i, (term, shape) in enumerate(zip(terms, shapes)):
+        labels = []
+        k = len(shape) - sum(1 for x in term if x is not Ellipsis)
+        for x in term:
+            if x is Ellipsis:
+                labels.extend(EllipsisDim(n_ell - k + j) for j in range(k))
+            else:
+                labels.append(x)
+        for lab, ext in zip(labels, shape):
+            if isinstance(lab, EllipsisDim) and ext != 1:
+                if ell_sizes[lab.p] not in (1, ext):
+                    raise ValueError(f"the '...' dimensions do not broadcast: operand {i} has extent {ext} "
+                                     f"where another operand has {ell_sizes[lab.p]}")
+                ell_sizes[lab.p] = ext
+        out_terms.append(labels)
+    sizes: Dict[Any, int] = {}
+    first: Dict[Any, int] = {}
+    broadcast = []
+    for i, (labels, shape) in enumerate(zip(out_terms, shapes)):
+        bc = []
+        for d, (lab, ext) in enumerate(zip(labels, shape)):
+            ext = int(ext)
+            if isinstance(lab, EllipsisDim) and ext == 1 and ell_sizes[lab.p] != 1:
+                bc.append(d)
+                continue
+            if lab in sizes and sizes[lab] != ext:
+                raise ValueError(f"mode {label_str(lab)!r} has extent {ext} in operand {i} but extent "
+                                 f"{sizes[lab]} in operand {first[lab]}")
+            sizes.setdefault(lab, ext)
+            first.setdefault(lab, i)
+        broadcast.append(bc)
+    # Labels that only occur broadcast still need an extent (1).
+    for p in range(n_ell):
+        sizes.setdefault(EllipsisDim(p), ell_sizes[p])
+    counts: Dict[Any, int] = {}
+    for labels in out_terms:
+        for lab in labels:
+            counts[lab] = counts.get(lab, 0) + 1
+    ell_out = [EllipsisDim(p) for p in range(n_ell)]
+    if output is None:
+        single = [lab for lab, c in counts.items() if c == 1 and not isinstance(lab, EllipsisDim)]
+        try:
+            single = sorted(single)
+        except TypeError:  # unorderable interleaved labels: order of first appearance
+            pass
+        out = ell_out + single
+    else:
+        if sum(1 for x in output if x is Ellipsis) > 1:
+            raise ValueError("the output has more than one '...'")
+        out = []
+        for x in output:
+            if x is Ellipsis:
+                out.extend(ell_out)
+            else:
+                out.append(x)
+        for lab in out:
+            if lab not in counts and not isinstance(lab, EllipsisDim):
+                raise ValueError(f"output mode {label_str(lab)!r} does not appear in any operand")
+        if len(set(out)) != len(out):
+            raise ValueError(f"the output repeats a mode: {[label_str(x) for x in out]}")
+    return out_terms, out, sizes, broadcast
+
+
+# ---------------------------------------------------------------------------- effective network
+@dataclass(frozen=True)
+class Network:
+    """The effective network the planner and compiler work on.
+
+    Attributes:
+        labels: the user's label of each mode id (ids are ``0 .. len(labels)-1``).
+        ids: label -> mode id.
+        inputs: per operand its mode ids after preprocessing (all distinct within an operand).
+        output: the output's mode ids.
+        sizes: mode id -> extent.
+        pre: per operand the preprocessing steps (``("squeeze", d)`` / ``("diag", d1, d2)``), or None.
+    """
+    labels: Tuple[Any, ...]
+    ids: Dict[Any, int]
+    inputs: Tuple[Tuple[int, ...], ...]
+    output: Tuple[int, ...]
+    sizes: Dict[int, int]
+    pre: Tuple[Optional[Tuple[tuple, ...]], ...]
+
+    def mode_counts(self) -> Dict[int, int]:
+        """How many operands (the output counting as one) carry each mode."""
+        count: Dict[int, int] = {}
+        for t in list(self.inputs) + [self.output]:
+            for m in t:
+                count[m] = count.get(m, 0) + 1
+        return count
+
+
+def network_of(terms, output, sizes, broadcast) -> Network:
+    """Mode ids for the labels of :func:`normalize_labels`'s result; per operand the
+    preprocessing (broadcast squeeze, diagonals) and its modes afterwards."""
+    ids: Dict[Any, int] = {}
+    labels: List[Any] = []
+
+    def idof(lab):
+        if lab not in ids:
+            ids[lab] = len(labels)
+            labels.append(lab)
+        return ids[lab]
+
+    inputs, pre = [], []
+    for i, term in enumerate(terms):
+        modes = [idof(lab) for lab in term]
+        steps = []
+        for d in sorted(broadcast[i], reverse=True):
+            steps.append(("squeeze", d))
+            modes.pop(d)
+        while len(set(modes)) != len(modes):
+            seen = {}
+            for d, m in enumerate(modes):
+                if m in seen:
+                    d1, d2 = seen[m], d
+                    break
+                seen[m] = d
+            steps.append(("diag", d1, d2))
+            # torch.diagonal puts the diagonal last
+            modes = [m for d, m in enumerate(modes) if d not in (d1, d2)] + [modes[d1]]
+        inputs.append(tuple(modes))
+        pre.append(tuple(steps) or None)
+    out = tuple(idof(lab) for lab in output)
+    id_sizes = {ids[lab]: ext for lab, ext in sizes.items() if lab in ids}
+    return Network(tuple(labels), ids, tuple(inputs), out, id_sizes, tuple(pre))
+
+
+def apply_steps(t: torch.Tensor, steps: Sequence[tuple]) -> torch.Tensor:
+    """One operand's preprocessing (squeeze broadcast dims, take diagonals), as views."""
+    for kind, *args in steps:
+        t = t.squeeze(args[0]) if kind == "squeeze" else torch.diagonal(t, 0, args[0], args[1])
+    return t
+
+
+def preprocess(operands: Sequence[torch.Tensor], pre) -> List[torch.Tensor]:
+    """Promote the operands to one dtype and apply each one's preprocessing (differentiable views)."""
+    dtype = operands[0].dtype
+    for op in operands[1:]:
+        dtype = torch.promote_types(dtype, op.dtype)
+    out = [op if op.dtype == dtype else op.to(dtype) for op in operands]
+    return [t if steps is None else apply_steps(t, steps) for t, steps in zip(out, pre)]
