@@ -17,7 +17,7 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
-from torch_gradops.nn import gat_conv as gat_conv_mod  # noqa: E402
+from torch_gradops.nn import adjacency  # noqa: E402
 
 ATOL = RTOL = 1e-5
 cuda = pytest.mark.cuda
@@ -464,7 +464,7 @@ def test_convert_to_hetero_model():
 # ------------------------------------------------------------------------------ the CSC cache
 def test_csc_cache_no_resort(monkeypatch):
     calls = {"build": 0, "argsort": 0}
-    real_build, real_argsort = gat_conv_mod.build_csc, torch.argsort
+    real_build, real_argsort = adjacency.csc_from_edges, torch.argsort
 
     def counting_build(*a, **k):
         calls["build"] += 1
@@ -474,7 +474,7 @@ def test_csc_cache_no_resort(monkeypatch):
         calls["argsort"] += 1
         return real_argsort(*a, **k)
 
-    monkeypatch.setattr(gat_conv_mod, "build_csc", counting_build)
+    monkeypatch.setattr(adjacency, "csc_from_edges", counting_build)
     monkeypatch.setattr(torch, "argsort", counting_argsort)
     tgnn.clear_csc_cache()
     _, conv1 = pair(16, 8, heads=2)
@@ -503,18 +503,18 @@ def test_csc_cache_no_resort(monkeypatch):
         assert calls == {"build": 3, "argsort": 0}
     # the cache entry goes away with its edge_index (the cached graph holds no view of it,
     # even for a sorted int32 edge_index taken as it is)
-    n = len(gat_conv_mod._CSC_CACHE)
+    n = len(adjacency.CSC_CACHE)
     del ei2
-    assert len(gat_conv_mod._CSC_CACHE) == n - 1
+    assert len(adjacency.CSC_CACHE) == n - 1
     _, conv3 = pair(16, 8, heads=2, add_self_loops=False)
     ei32 = sorted_ei.int()
     with torch.no_grad():
         conv3(x, ei32)
-    assert len(gat_conv_mod._CSC_CACHE) == n
+    assert len(adjacency.CSC_CACHE) == n
     del ei32
-    assert len(gat_conv_mod._CSC_CACHE) == n - 1
+    assert len(adjacency.CSC_CACHE) == n - 1
     tgnn.clear_csc_cache()
-    assert len(gat_conv_mod._CSC_CACHE) == 0
+    assert len(adjacency.CSC_CACHE) == 0
 
 
 # ------------------------------------------------------------------------------ mini-batches

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BipartiteCSC"]
+__all__ = ["BipartiteCSC", "csc_from_edges", "check_edge_range", "csc_destinations"]
 
 
 def _check_index_tensor(t, name):
@@ -84,7 +84,8 @@ class BipartiteCSC:
         """Build from a ``[2, E]`` edge index (row 0 = source, row 1 = destination, PyG's convention).
 
         ``num_src``/``num_dst`` default to ``max id + 1`` of each row. Edges are stably sorted by
-        destination; an input already sorted needs no permutation.
+        destination; an input already sorted needs no permutation. For self-loop handling and
+        other index dtypes see :func:`csc_from_edges`.
         """
         _check_index_tensor(edge_index, "edge_index")
         if edge_index.dim() != 2 or edge_index.size(0) != 2:
@@ -95,28 +96,7 @@ class BipartiteCSC:
             num_src = int(src.max()) + 1 if E else 0
         if num_dst is None:
             num_dst = int(dst.max()) + 1 if E else 0
-        num_src, num_dst = int(num_src), int(num_dst)
-        if num_dst < 0 or num_src < 0:
-            raise ValueError(f"num_src and num_dst must be >= 0, got {num_src} and {num_dst}")
-        if E:
-            lo_d, hi_d = int(dst.min()), int(dst.max())
-            if lo_d < 0 or hi_d >= num_dst:
-                raise IndexError(f"edge_index[1] (destinations) out of range [0, {num_dst}): found {lo_d if lo_d < 0 else hi_d}")
-        if E and bool((dst[1:] >= dst[:-1]).all()):
-            perm = None
-            dst_sorted, src_sorted = dst, src
-        else:
-            perm = torch.argsort(dst, stable=True)
-            dst_sorted, src_sorted = dst[perm], src[perm]
-        counts = torch.bincount(dst_sorted, minlength=num_dst) if E else torch.zeros(num_dst, dtype=torch.long, device=dst.device)
-        indptr = torch.zeros(num_dst + 1, dtype=torch.long, device=dst.device)
-        torch.cumsum(counts, 0, out=indptr[1:])
-        dtype = edge_index.dtype
-        graph = cls(indptr.to(dtype), src_sorted.to(dtype).contiguous(), num_src,
-                    None if perm is None else perm.to(dtype), validate=False)
-        graph._validate(check_indptr=False)
-        graph._dst = dst_sorted.contiguous()
-        return graph
+        return csc_from_edges(src, dst, num_src, num_dst, index_dtype=edge_index.dtype)
 
     @classmethod
     def from_csc(cls, indptr: torch.Tensor, indices: torch.Tensor, num_src: int) -> "BipartiteCSC":
@@ -187,7 +167,7 @@ class BipartiteCSC:
                 f"sorted_input={self.perm is None})")
 
     # ------------------------------------------------------------------ validation
-    def _validate(self, check_indptr: bool = True) -> None:
+    def _validate(self, check_indptr: bool = True, check_indices: bool = True) -> None:
         E = self.indices.numel()
         if check_indptr:
             if int(self.indptr[0]) != 0:
@@ -196,10 +176,123 @@ class BipartiteCSC:
                 raise ValueError(f"indptr[-1] must equal the number of edges ({E}), got {int(self.indptr[-1])}")
             if self.num_dst and not bool((self.indptr[1:] >= self.indptr[:-1]).all()):
                 raise ValueError("indptr must be non-decreasing (monotone)")
-        if E:
+        if E and check_indices:
             lo, hi = int(self.indices.min()), int(self.indices.max())
             if lo < 0 or hi >= self.num_src:
                 bad = lo if lo < 0 else hi
                 raise IndexError(f"indices (source ids) out of range [0, {self.num_src}): found {bad}")
         if self.indices.dtype == torch.int32 and E >= 2**31:
             raise ValueError("int32 indices cannot address 2^31 or more edges; use int64")
+
+
+# ---------------------------------------------------------------------------- edge lists -> CSC
+def check_edge_range(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: int) -> None:
+    """Out-of-range ids would make the kernels read out of bounds: refuse them (``IndexError``
+    naming the row of ``edge_index``). Under ``torch.compile`` an asynchronous device assert
+    (no data-dependent Python branch)."""
+    if src.numel() == 0:
+        return
+    if torch.compiler.is_compiling():
+        torch._assert_async(((src >= 0) & (src < num_src) & (dst >= 0) & (dst < num_dst)).all(),
+                            "edge_index has node ids out of range")
+        return
+    lo, hi = int(src.min()), int(src.max())
+    if lo < 0 or hi >= num_src:
+        raise IndexError(f"edge_index[0] (source ids, the CSC indices) out of range [0, {num_src}): "
+                         f"found {lo if lo < 0 else hi}")
+    lo, hi = int(dst.min()), int(dst.max())
+    if lo < 0 or hi >= num_dst:
+        raise IndexError(f"edge_index[1] (destinations) out of range [0, {num_dst}): found {lo if lo < 0 else hi}")
+
+
+def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: int, *,
+                   self_loops: Optional[int] = None, dst_sorted: Optional[bool] = None,
+                   static_shapes: Optional[bool] = None,
+                   index_dtype: Optional[torch.dtype] = None) -> BipartiteCSC:
+    """The CSC graph of the edges ``src[e] -> dst[e]``, optionally with PyG's self-loop handling.
+
+    Args:
+        src, dst: ``[E]`` integer source / destination ids, in the input edge order.
+        num_src, num_dst: node counts (ids are range-checked against them).
+        self_loops: ``None`` keeps the edges as they are. ``L`` drops the input's self-loops and
+            adds ``(i, i)`` for ``i < L``, as PyG's ``remove_self_loops`` then
+            ``add_self_loops(num_nodes=L)``. The dropped loops are not removed but routed to one
+            extra "trash" destination row ``num_dst`` that the caller drops after aggregation:
+            they take no part in any real destination's softmax and, since the trash row's
+            gradient is zero, contribute exactly zero to every gradient. This keeps every shape
+            independent of the data. The trash row exists when the input has self-loops (and
+            always with ``static_shapes``); ``graph.num_dst`` tells.
+        dst_sorted: ``True`` if ``dst`` is known to be non-decreasing (no sort), ``None`` to check
+            (except with ``static_shapes``, which sorts).
+        static_shapes: only ops whose output shapes depend on input shapes, never on values
+            (what ``torch.compile(fullgraph=True)`` can trace); default: when compiling.
+        index_dtype: dtype of the graph's index tensors; default int32 when every id and count
+            fits, else int64 (int32 halves the graph and the kernels' index traffic).
+
+    Returns:
+        A :class:`BipartiteCSC` whose ``perm`` maps CSC positions to *processed* edge ids:
+        ``0 .. E-1`` the input edges in input order (dropped self-loops included, in the trash
+        row), ``E .. E+L-1`` the added loops ``(i, i)``; None when CSC order is that order.
+    """
+    static = torch.compiler.is_compiling() if static_shapes is None else bool(static_shapes)
+    num_src, num_dst = int(num_src), int(num_dst)
+    if num_src < 0 or num_dst < 0:
+        raise ValueError(f"num_src and num_dst must be >= 0, got {num_src} and {num_dst}")
+    device = src.device
+    src, dst = src.long(), dst.long()
+    E = src.numel()
+    check_edge_range(src, dst, num_src, num_dst)
+    if dst_sorted is None:
+        dst_sorted = not static and (E < 2 or bool((dst[1:] >= dst[:-1]).all()))
+    if dst_sorted:
+        order: Optional[torch.Tensor] = None
+        s, d = src, dst
+    else:
+        order = torch.argsort(dst, stable=True)
+        s, d = src.index_select(0, order), dst.index_select(0, order)
+
+    if self_loops is None:
+        counts = torch.zeros(num_dst, dtype=torch.long, device=device).index_add_(0, d, torch.ones_like(d))
+        indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+        indices, perm, num_rows, dst_of = s, order, num_dst, d
+    else:
+        L = int(self_loops)
+        if L > num_dst or L > num_src:
+            raise ValueError(f"cannot add {L} self-loops to a {num_src} x {num_dst} graph")
+        ids = torch.arange(E, device=device) if order is None else order  # processed id per sorted edge
+        is_loop = s == d
+        trash = static or bool(is_loop.any())
+        keep = (~is_loop).long()
+        kept_counts = torch.zeros(num_dst, dtype=torch.long, device=device).index_add_(0, d, keep)
+        kept_ptr = torch.cat([kept_counts.new_zeros(1), kept_counts.cumsum(0)])  # [num_dst + 1]
+        # A destination's segment holds its kept edges (input order) then its added loop, so a
+        # kept edge with destination d moves by the min(d, L) loops of the earlier segments.
+        kept_rank = keep.cumsum(0) - keep
+        loop_rank = (1 - keep).cumsum(0) - (1 - keep)
+        pos = torch.where(is_loop, kept_ptr[-1] + L + loop_rank, kept_rank + d.clamp(max=L))
+        loop_ids = torch.arange(L, device=device)
+        loop_pos = kept_ptr[1:L + 1] + loop_ids
+        total = E + L
+        indices = torch.empty(total, dtype=torch.long, device=device)
+        indices.index_put_((pos,), s).index_put_((loop_pos,), loop_ids)
+        perm = torch.empty(total, dtype=torch.long, device=device)
+        perm.index_put_((pos,), ids).index_put_((loop_pos,), loop_ids + E)
+        indptr = kept_ptr + torch.arange(num_dst + 1, device=device).clamp(max=L)
+        num_rows, dst_of = num_dst, None
+        if trash:
+            indptr = torch.cat([indptr, kept_ptr.new_full((1,), total)])
+            num_rows = num_dst + 1
+
+    if index_dtype is None:
+        small = indices.numel() < 2**31 and max(num_src, num_rows) < 2**31
+        index_dtype = torch.int32 if small else torch.int64
+    if index_dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"index_dtype must be torch.int32 or torch.int64, got {index_dtype}")
+    if index_dtype == torch.int32 and max(indices.numel(), num_src, num_rows) >= 2**31:
+        raise ValueError("int32 indices cannot address 2^31 or more edges or nodes; use int64")
+    cast = lambda t: None if t is None else t.to(index_dtype)  # noqa: E731
+    graph = BipartiteCSC(cast(indptr), cast(indices).contiguous(), num_src, cast(perm), validate=False)
+    graph._validate(check_indptr=False, check_indices=False)  # built here: only the dtype limits
+    if dst_of is not None:
+        graph._dst = cast(dst_of).contiguous()
+    return graph

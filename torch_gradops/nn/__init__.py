@@ -8,7 +8,8 @@ import torch
 from torch_geometric.nn.conv import GATConv as PyGGATConv
 from torch_geometric.nn.models import GAT as PyGGAT
 
-from .gat_conv import GATConv, clear_csc_cache
+from .adjacency import clear_csc_cache
+from .gat_conv import GATConv
 
 __all__ = ["GATConv", "GAT", "convert", "clear_csc_cache"]
 

@@ -1,0 +1,203 @@
+"""PyG adjacencies -> cached :class:`~torch_gradops.BipartiteCSC` graphs, for the attention layers.
+
+Accepts what PyG's message passing accepts: a ``[2, E]`` Tensor or ``EdgeIndex`` (row 0 =
+source), a ``torch.sparse`` (COO/CSR/CSC) or ``torch_sparse.SparseTensor`` *transposed* adjacency
+``adj_t [num_dst, num_src]``. The conversion (:func:`torch_gradops.graph.csc_from_edges`, with
+PyG's self-loop handling) is cached by the adjacency object's identity and ``_version`` and shared
+by every layer, so a whole model converts each graph once; a CSR ``adj_t``, a ``SparseTensor`` or
+an ``EdgeIndex`` sorted by column (destination) is converted without any sort.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from torch_geometric.typing import SparseTensor, torch_sparse
+from torch_geometric.utils import add_self_loops, is_torch_sparse_tensor, remove_self_loops, to_edge_index
+from torch_geometric.utils.loop import compute_loop_attr
+from torch_geometric.utils.sparse import set_sparse_value
+
+from ..graph import BipartiteCSC, csc_from_edges
+
+__all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
+           "loop_edge_attr", "attention_result"]
+
+try:  # PyG >= 2.5
+    from torch_geometric import EdgeIndex
+except ImportError:  # pragma: no cover
+    EdgeIndex = None
+
+# edge_index object -> {(num_src, num_dst, num_loops): (edge_index._version, BipartiteCSC)}.
+# Keyed by identity and held weakly: an entry lives exactly as long as the user's edge_index,
+# and is shared by all layers, so a whole model converts each graph once.
+CSC_CACHE = WeakIdKeyDictionary()
+
+
+def clear_csc_cache() -> None:
+    """Forget every cached CSC conversion (they are also dropped with their ``edge_index``)."""
+    CSC_CACHE.clear()
+
+
+def _version(t) -> Optional[int]:
+    try:
+        return t._version
+    except (AttributeError, RuntimeError):  # e.g. SparseTensor, some sparse layouts
+        return None
+
+
+def is_edge_index(t) -> bool:
+    return EdgeIndex is not None and isinstance(t, EdgeIndex)
+
+
+def edge_list(edge_index) -> Tuple[Tensor, Tensor, Optional[bool]]:
+    """``(src, dst, dst_sorted)`` of any supported adjacency, in its own edge (value) order.
+
+    Sparse adjacencies are PyG's transposed ``adj_t [num_dst, num_src]``: rows are
+    destinations, so a CSR ``adj_t`` (or a ``SparseTensor``) is already our CSC.
+    """
+    if isinstance(edge_index, SparseTensor):
+        row, col, _ = edge_index.coo()
+        return col, row, True
+    if is_torch_sparse_tensor(edge_index):
+        (row, col), _ = to_edge_index(edge_index)
+        return col, row, True if edge_index.layout == torch.sparse_csr else None
+    if is_edge_index(edge_index):
+        plain = edge_index.as_tensor()
+        return plain[0], plain[1], True if edge_index.is_sorted_by_col else None
+    if isinstance(edge_index, Tensor):
+        if edge_index.dim() != 2 or edge_index.size(0) != 2:
+            raise ValueError(f"edge_index must have shape [2, E], got {tuple(edge_index.shape)}")
+        if edge_index.dtype.is_floating_point or edge_index.dtype == torch.bool:
+            raise ValueError(f"edge_index must be an integer tensor, got {edge_index.dtype}")
+        return edge_index[0], edge_index[1], None
+    raise ValueError("edge_index must be a [2, E] integer Tensor, an EdgeIndex, a "
+                     f"torch.sparse adjacency or a torch_sparse.SparseTensor, got {type(edge_index).__name__}")
+
+
+def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) -> BipartiteCSC:
+    """The (cached) CSC graph of ``edge_index`` with ``num_loops`` self-loops handled as
+    :func:`~torch_gradops.graph.csc_from_edges` describes (None: edges kept as they are)."""
+    def build():
+        src, dst, dst_sorted = edge_list(edge_index)
+        return csc_from_edges(src, dst, num_src, num_dst, self_loops=num_loops, dst_sorted=dst_sorted)
+
+    if torch.compiler.is_compiling():
+        # Under torch.compile the conversion is traced into the graph (static-shape ops);
+        # a Python-side cache cannot live inside a compiled region.
+        return build()
+    key = (num_src, num_dst, num_loops)
+    version = _version(edge_index)
+    entries = CSC_CACHE.get(edge_index)
+    if entries is not None:
+        hit = entries.get(key)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+    graph = build()
+    if entries is None:
+        entries = {}
+        CSC_CACHE[edge_index] = entries
+    entries[key] = (version, graph)
+    return graph
+
+
+# ---------------------------------------------------------------------------- PyG conventions
+def propagate_sizes(edge_index, num_src: int, num_dst_rows: Optional[int], size: Optional[Tuple[int, int]],
+                    add_loops: bool) -> Tuple[int, Optional[int]]:
+    """``(num_dst, num_loops)`` as PyG's attention layers infer them: destinations from ``x_dst``'s
+    rows, ``size[1]``, a sparse adjacency's rows or an ``EdgeIndex``'s columns (else the source
+    count); the self-loops to add (None without ``add_loops``), as those layers count them.
+    ``num_dst_rows`` is ``x_dst.size(0)`` or None."""
+    sparse = isinstance(edge_index, SparseTensor) or is_torch_sparse_tensor(edge_index)
+    num_dst: Optional[int] = None
+    if sparse:
+        if edge_index.size(1) != num_src:
+            raise ValueError(f"the adjacency has {edge_index.size(1)} columns (sources) but x has {num_src} "
+                             "source rows")
+        num_dst = edge_index.size(0)
+    if size is not None:
+        if size[0] is not None and size[0] != num_src:
+            raise ValueError(f"size[0]={size[0]} but x has {num_src} source rows")
+        if size[1] is not None:
+            num_dst = size[1]
+    if num_dst_rows is not None:
+        if num_dst is not None and num_dst != num_dst_rows:
+            raise ValueError(f"{num_dst} destinations expected but x_dst has {num_dst_rows} rows")
+        num_dst = num_dst_rows
+    num_loops: Optional[int] = None
+    if add_loops:
+        if sparse:
+            num_loops = min(edge_index.size(0), edge_index.size(1))
+        else:
+            num_loops = num_src if num_dst_rows is None else min(num_src, num_dst_rows)
+            if size is not None:
+                num_loops = min(size)
+    if num_dst is None:
+        # `(x_src, None)` without `size`: PyG's propagate falls back to the source count (or to
+        # an EdgeIndex's number of columns).
+        if is_edge_index(edge_index) and edge_index.num_cols is not None:
+            num_dst = edge_index.num_cols
+        else:
+            num_dst = num_src
+    return num_dst, num_loops
+
+
+def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value) -> Tensor:
+    """Edge features of the added self-loops, ``[num_loops, edge_dim]``, by ``fill_value``.
+
+    Like PyG (``remove_self_loops`` then ``compute_loop_attr``), the input's own self-loops take
+    no part in a reduction; they (and edges into destinations that get no loop) are routed to a
+    scratch row ``num_loops`` instead of being removed, to keep shapes static."""
+    if not isinstance(fill_value, str):
+        return compute_loop_attr(edge_attr.new_zeros((2, 0), dtype=torch.long), edge_attr, num_loops, False,
+                                 fill_value)
+    src, dst, _ = edge_list(edge_index)
+    src, dst = src.long(), dst.long()
+    col = torch.where((src == dst) | (dst >= num_loops), num_loops, dst)
+    return compute_loop_attr(torch.stack([src, col]), edge_attr, num_loops + 1, False, fill_value)[:num_loops]
+
+
+def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):
+    """What PyG's attention layers return for ``return_attention_weights=True``, from ``alpha``
+    in processed edge order (:func:`~torch_gradops.graph.csc_from_edges`): ``(edge_index',
+    alpha)`` for Tensor input (after self-loop handling), ``(adj', alpha)`` for
+    ``torch.sparse``, ``adj'`` with the attention as values for a ``SparseTensor``."""
+    if num_loops is not None:
+        src, dst, _ = edge_list(edge_index)
+        E = src.numel()
+        keep = src != dst
+        alpha = torch.cat([alpha[:E][keep], alpha[E:]])
+    if isinstance(edge_index, SparseTensor):
+        adj = torch_sparse.set_diag(edge_index) if num_loops is not None else edge_index
+        if num_loops is not None:
+            # set_diag returns a row-major (dst, src)-sorted adjacency: sort our edges alike.
+            loops = torch.arange(num_loops, device=src.device)
+            s = torch.cat([src[keep], loops]).long()
+            d = torch.cat([dst[keep], loops]).long()
+            alpha = alpha[torch.argsort(d * max(adj.size(1), 1) + s, stable=True)]
+        return adj.set_value(alpha, layout='coo')
+    if is_torch_sparse_tensor(edge_index):
+        if num_loops is None:
+            return set_sparse_value(edge_index, alpha), alpha
+        # PyG rebuilds the adjacency (remove_self_loops, add_self_loops) in canonical order;
+        # build it from our edge list the same way, carrying the attention as values.
+        from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor
+        loops = torch.arange(num_loops, device=src.device)
+        full = torch.stack([torch.cat([dst[keep].long(), loops]), torch.cat([src[keep].long(), loops])])
+        size = (edge_index.size(0), edge_index.size(1))
+        build = {torch.sparse_coo: to_torch_coo_tensor, torch.sparse_csr: to_torch_csr_tensor,
+                 torch.sparse_csc: to_torch_csc_tensor}[edge_index.layout]
+        # PyG's attention follows the value order of that canonical adjacency: row-major for
+        # COO/CSR, column-major for CSC. Permute explicitly (differentiably).
+        major, minor = (full[1], full[0]) if edge_index.layout == torch.sparse_csc else (full[0], full[1])
+        order = torch.argsort(major * max(size[0], size[1], 1) + minor, stable=True)
+        alpha = alpha.index_select(0, order)
+        adj = build(full[:, order], None, size)
+        return set_sparse_value(adj, alpha), alpha
+    if num_loops is not None:
+        # The exact edge_index PyG returns (type included, e.g. EdgeIndex), from its own utils.
+        edge_index, _ = remove_self_loops(edge_index)
+        edge_index, _ = add_self_loops(edge_index, num_nodes=num_loops)
+    return edge_index, alpha
