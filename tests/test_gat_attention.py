@@ -422,7 +422,7 @@ def test_bad_op_inputs_raise_clear_errors():
 def test_cuda_tensor_without_cuda_build_is_a_clear_error(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    import torch_gradops._library as lib
+    import torch_gradops.library as lib
 
     monkeypatch.setattr(lib, "built_with_cuda", lambda: False)
     with FakeTensorMode(allow_non_fake_inputs=True):

@@ -4,7 +4,7 @@ tensor-network contraction for PyTorch, on CPU and CUDA.
 Ops live under ``torch.ops.torch_gradops`` (registered with ``TORCH_LIBRARY``, with fake
 kernels for ``torch.compile``); the Python API wraps them in ``torch.autograd.Function``s.
 """
-from ._library import built_with_cuda
+from .library import built_with_cuda
 from .graph import BipartiteCSC
 from .gat import GATAttentionFunction, gat_attention, mha_gat_n2n
 from . import tensornet

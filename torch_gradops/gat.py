@@ -13,7 +13,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ._library import check_backend, ops
+from .library import check_backend, ops
 from .graph import BipartiteCSC, csc_destinations
 
 __all__ = ["gat_attention", "GATAttentionFunction", "mha_gat_n2n"]

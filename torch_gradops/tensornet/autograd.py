@@ -15,7 +15,7 @@ from typing import List, Optional
 
 import torch
 
-from .._library import ops
+from ..library import ops
 from .parser import apply_steps
 
 __all__ = ["ContractFunction", "contract_prepared", "operand_gradients"]

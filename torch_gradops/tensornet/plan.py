@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .._library import check_backend
+from ..library import check_backend
 from .._units import format_bytes
 from . import autograd, parser, paths, slicer
 from .compiler import compile_program

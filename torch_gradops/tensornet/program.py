@@ -27,7 +27,7 @@ from typing import List, Sequence, Tuple, Union
 
 import torch
 
-from .. import _library  # loads the ops, which must be registered before their fake kernels
+from .. import library  # loads the ops, which must be registered before their fake kernels
 
 __all__ = ["VERSION", "SELECT", "SUM", "CONTRACT", "FINAL", "CHECKPOINT", "Select", "Sum", "Contract",
            "Final", "Checkpoint", "Program", "encode", "decode", "cached_shapes", "executor_format",
@@ -178,13 +178,13 @@ def cached_shapes(program: Program, needs_grad: Sequence[int]) -> List[Tuple[int
 # ---------------------------------------------------------------------------- the C++ twin
 def executor_format() -> dict:
     """The C++ executor's format version and opcodes (``{"VERSION": ..., "SELECT": ...}``)."""
-    return dict(_library._C.contract_program_format())
+    return dict(library._C.contract_program_format())
 
 
 def executor_reencode(ints: Sequence[int], n_operands: int) -> Tuple[int, ...]:
     """Decode ``ints`` with the C++ executor's decoder and encode the result again: equal to
     ``ints`` when both sides agree on the format (raises the executor's error otherwise)."""
-    return tuple(_library._C.reencode_contract_program([int(x) for x in ints], int(n_operands)))
+    return tuple(library._C.reencode_contract_program([int(x) for x in ints], int(n_operands)))
 
 
 # ---------------------------------------------------------------------------- fake kernels

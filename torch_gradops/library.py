@@ -1,4 +1,5 @@
-"""Loads the compiled operator library once and holds device checks shared by the ops."""
+"""The compiled operator library (``torch.ops.torch_gradops``): loading it once, build facts,
+and the device checks that the ops share."""
 import torch
 
 try:
