@@ -13,6 +13,7 @@
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 
 #include <algorithm>
 #include <vector>
@@ -542,4 +543,12 @@ TORCH_LIBRARY_IMPL(torch_gradops, CompositeExplicitAutograd, m) {
   m.impl("contract_program", &torch_gradops::contract_program);
   m.impl("contract_program_backward", &torch_gradops::contract_program_backward);
   m.impl("contract_program_cached", &torch_gradops::contract_program_cached);
+}
+
+// Autograd lives in Python (ContractFunction). A direct call that autograd would differentiate
+// gets an error at backward time instead of a silently missing gradient.
+TORCH_LIBRARY_IMPL(torch_gradops, Autograd, m) {
+  m.impl("contract_program", torch::autograd::autogradNotImplementedFallback());
+  m.impl("contract_program_backward", torch::autograd::autogradNotImplementedFallback());
+  m.impl("contract_program_cached", torch::autograd::autogradNotImplementedFallback());
 }

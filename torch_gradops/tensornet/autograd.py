@@ -24,13 +24,22 @@ __all__ = ["ContractFunction", "contract_prepared", "operand_gradients"]
 def _needs_function(eff) -> bool:
     """Whether a contraction must go through the autograd Function (gradients, forward AD or a
     torch.func transform may need it) rather than the bare op."""
-    if torch.compiler.is_compiling():  # dynamo sees through dual tensors; requires_grad is static
+    if torch.compiler.is_compiling():
+        # Dynamo traces the Function only for inputs that require grad. Inside torch.func
+        # transforms it calls the op itself, whose Autograd kernel then raises instead of
+        # dropping the gradient (csrc/contract.cpp): those are not compiled.
         return torch.is_grad_enabled() and any(t.requires_grad for t in eff)
     if torch.is_grad_enabled() and any(t.requires_grad for t in eff):
         return True
     if torch.autograd.forward_ad._current_level >= 0:
         return True
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in eff)
+    return any(_is_transformed(t) for t in eff)
+
+
+def _is_transformed(t) -> bool:
+    """A torch.func wrapper (batched, gradient-tracking or dual); Dynamo cannot ask (and under
+    torch.compile the transforms are not traced through our Functions)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def _engine_needs(ctx, needs):
@@ -89,7 +98,10 @@ class ContractFunction(torch.autograd.Function):
         needs = _engine_needs(ctx, ctx.needs_input_grad[3:])
         if not any(needs):
             return (None, None, None) + (None,) * len(operands)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() or _is_transformed(grad_out):
+            # create_graph=True, or a batched/dual output gradient (torch.func, gradcheck's
+            # batched checks): gradients as contractions through this Function, whose vmap and
+            # jvp rules apply; the fused backward op has no batching rule
             grads = _derivative_gradients(ctx.plan, list(operands), grad_out, ctx.table, needs)
         else:
             raw = ops.contract_program_backward(list(operands), list(ctx.plan.program), list(ctx.table),
@@ -97,6 +109,19 @@ class ContractFunction(torch.autograd.Function):
                                                 list(kept))
             grads = [g if n else None for g, n in zip(raw, needs)]
         return (None, None, None) + tuple(grads)
+
+    @staticmethod
+    def vmap(info, in_dims, plan, table, keep, *operands):
+        """torch.func.vmap: a vmapped operand carries one more mode, shared by every vmapped
+        operand and kept first in the output; the batched network is planned (and cached) like
+        any other, with the same sliced modes, so the slice table still applies."""
+        if keep:  # contract_prepared never keeps GEMM operands for transformed tensors
+            raise RuntimeError("ContractFunction: keep=True cannot be vmapped")
+        dims = in_dims[3:]
+        batched = tuple(i for i, d in enumerate(dims) if d is not None)
+        size = operands[batched[0]].size(dims[batched[0]])
+        moved = [op if d is None else op.movedim(d, 0) for op, d in zip(operands, dims)]
+        return ContractFunction.apply(plan.batched_plan(batched, size), table, False, *moved), (0,)
 
     @staticmethod
     def jvp(ctx, _plan_t, _table_t, _keep_t, *tangents):
@@ -113,8 +138,8 @@ class ContractFunction(torch.autograd.Function):
 
 
 class _TraceableContract(torch.autograd.Function):
-    """ContractFunction without the custom jvp, which dynamo cannot trace: what
-    ``torch.compile`` records when an operand requires grad (forward AD is not compiled)."""
+    """ContractFunction without the custom jvp and vmap rules, which Dynamo cannot trace: what
+    ``torch.compile`` records (forward AD and torch.func transforms are not compiled)."""
     forward = staticmethod(ContractFunction.forward)
     setup_context = staticmethod(ContractFunction.setup_context)
     backward = staticmethod(ContractFunction.backward)
@@ -172,9 +197,10 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     if torch.compiler.is_compiling():
         return _TraceableContract.apply(plan, table, False, *eff)[0]
     # unsliced and gradients wanted: keep the GEMM operands for the backward (a sliced plan
-    # recomputes per slice instead: that is its memory bound)
+    # recomputes per slice instead: that is its memory bound); not under torch.func transforms,
+    # whose rules see only the Function's inputs
     keep = plan.num_slices == 1 and not plan.checkpoints and torch.is_grad_enabled() and \
-        any(t.requires_grad for t in eff)
+        any(t.requires_grad for t in eff) and not any(_is_transformed(t) for t in eff)
     return ContractFunction.apply(plan, table, keep, *eff)[0]
 
 

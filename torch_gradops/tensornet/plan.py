@@ -81,6 +81,7 @@ class ContractionPlan:
         largest = max([s[1] for s in gemms] + [math.prod(sizes[m] for m in network.output if m not in sset)])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
         self._derivatives: Dict[int, Tuple["ContractionPlan", List[int], List[int]]] = {}
+        self._batched: Dict[Tuple[Tuple[int, ...], int], "ContractionPlan"] = {}
 
     # -- slices ---------------------------------------------------------------------------
     def slice_indices(self, s: int) -> Tuple[int, ...]:
@@ -147,6 +148,24 @@ class ContractionPlan:
                                                      None, "auto", list(self.sliced_ids), interleaved=True))
             self._derivatives[i] = (p, target, others)
         return self._derivatives[i]
+
+    def batched_plan(self, operands: Tuple[int, ...], size: int) -> "ContractionPlan":
+        """The plan of this (effective) network with one more mode of extent ``size`` at the front
+        of each operand in ``operands`` and of the output: what ``torch.func.vmap`` contracts.
+        Same sliced modes in the same order, so the same slice tables; no memory limit of its
+        own (slicing more would change the slice ids). Planned once per (operands, size)."""
+        key = (tuple(operands), int(size))
+        if key not in self._batched:
+            net = self.network
+            batch = len(net.labels)  # a mode id the network does not use
+            terms = [([batch] if i in operands else []) + list(t) for i, t in enumerate(net.inputs)]
+            sizes = {**net.sizes, batch: int(size)}
+            shapes = [tuple(sizes[m] for m in t) for t in terms]
+            output = [batch] + list(net.output)
+            self._batched[key] = PLANS.build(None, lambda: build_plan(
+                None, terms, output, shapes, self.dtype, self.device_type, None, "auto", list(self.sliced_ids),
+                interleaved=True))
+        return self._batched[key]
 
     def __repr__(self):
         li_el, li_b = self.largest_intermediate
