@@ -380,33 +380,38 @@ class _GATAttentionFirstOrder(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_alpha):
         (x_src, a_src, a_dst, edge_logits, indptr, indices, rev_indptr, rev_edge, rev_dst,
          dropout_mask, out, lse) = ctx.saved_tensors
-        needs = list(ctx.needs_input_grad[:4])
+        # Dynamo, tracing inside a torch.func transform, reports inputs wrapped by the transform
+        # as not needing a gradient (their gradients then came out zero): compute them all.
+        needs = [True] * 4 if torch.compiler.is_compiling() else list(ctx.needs_input_grad[:4])
         needs[3] = needs[3] and ctx.has_edge_logits
-        none_rest = (None,) * 9
-        if not any(needs):
-            return (None,) * 4 + none_rest
-        if grad_alpha is not None and grad_alpha.numel() == 0:
-            grad_alpha = None
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
-        if not ctx.has_rev:
+        if any(needs) and not ctx.has_rev:
             raise RuntimeError("GATAttentionFunction: the reverse index was not passed to forward, "
                                "but a gradient is needed; call gat_attention() instead")
+        edges = _Edges(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
+        grads = _gat_backward(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge_logits, edges,
+                              dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
+        return tuple(grads) + (None,) * 9
 
-        if torch.is_grad_enabled():
-            # create_graph=True (also every torch.func.grad/vjp): the differentiable formulation.
-            edges = _Edges(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
-            grads = _gat_backward_differentiable(grad_out, grad_alpha, x_src, a_src, a_dst, edge_logits,
-                                                 lse, edges, dropout_mask, ctx.negative_slope,
-                                                 ctx.dropout_scale, needs)
-            return tuple(grads) + none_rest
 
-        gx, gas, gad, gel = ops.gat_backward(
-            grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
-            x_src, a_src, a_dst, edge_logits, indptr, indices, rev_indptr, rev_edge, rev_dst,
-            dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
-        result = [g if n else None for g, n in zip((gx, gas, gad, gel), needs)]
-        return tuple(result) + none_rest
+def _gat_backward(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge_logits, edges: _Edges,
+                  dropout_mask, negative_slope, dropout_scale, needs):
+    """Gradients of x_src, a_src, a_dst, edge_logits (None where not ``needs``): the fused
+    deterministic kernel, or under ``create_graph=True`` (also every ``torch.func.grad``/``vjp``,
+    which record for higher orders) the differentiable formulation."""
+    if not any(needs):
+        return [None] * 4
+    if grad_alpha is not None and grad_alpha.numel() == 0:
+        grad_alpha = None
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    if torch.is_grad_enabled():
+        return _gat_backward_differentiable(grad_out, grad_alpha, x_src, a_src, a_dst, edge_logits, lse,
+                                            edges, dropout_mask, negative_slope, dropout_scale, needs)
+    grads = ops.gat_backward(
+        grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
+        x_src, a_src, a_dst, edge_logits, edges.indptr, edges.indices, edges.rev_indptr, edges.rev_edge,
+        edges.rev_dst, dropout_mask, negative_slope, dropout_scale, needs)
+    return [g if n else None for g, n in zip(grads, needs)]
 
 
 class GATAttentionFunction(_GATAttentionFirstOrder):
@@ -436,6 +441,36 @@ class GATAttentionFunction(_GATAttentionFirstOrder):
         t_out, t_alpha = _gat_jvp(t_x, t_asrc, t_adst, t_el, x_src, a_src, a_dst, el, lse, edges, mask,
                                   ctx.negative_slope, ctx.dropout_scale, ctx.return_alpha)
         return t_out, None, t_alpha
+
+
+# Autograd on the op itself. Eager code differentiates through the Functions above (their
+# backward, jvp and vmap rules). But torch.compile, inside a torch.func transform, may
+# differentiate a Function's *forward* instead of using its rules; without a formula on the op
+# the gradient then came out silently zero. With this one it is right (or Dynamo refuses and
+# falls back to eager). Forward mode cannot be registered on an op: see gat_attention.
+def _gat_forward_setup_context(ctx, inputs, output):
+    (x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask, negative_slope, dropout_scale,
+     return_alpha) = inputs
+    out, lse, _ = output
+    ctx.negative_slope = negative_slope
+    ctx.dropout_scale = dropout_scale
+    ctx.has_edge_logits = edge_logits is not None
+    ctx.save_for_backward(x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask, out, lse)
+
+
+def _gat_forward_backward(ctx, grad_out, grad_lse, grad_alpha):
+    x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask, out, lse = ctx.saved_tensors
+    needs = [True] * 4 if torch.compiler.is_compiling() else list(ctx.needs_input_grad[:4])
+    needs[3] = needs[3] and ctx.has_edge_logits
+    # No graph object here: build the reverse index as BipartiteCSC does.
+    edges = _Edges.of(BipartiteCSC(indptr, indices, x_src.size(0), validate=False))
+    grads = _gat_backward(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge_logits, edges,
+                          dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
+    return tuple(grads) + (None,) * 6
+
+
+torch.library.register_autograd("torch_gradops::gat_forward", _gat_forward_backward,
+                                setup_context=_gat_forward_setup_context)
 
 
 # ---------------------------------------------------------------------------- primitives, public
@@ -526,6 +561,11 @@ def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
+@torch.compiler.disable
+def _apply_eagerly(*args):
+    return GATAttentionFunction.apply(*args)
+
+
 def _has_tangent(t: torch.Tensor) -> bool:
     return forward_ad.unpack_dual(t).tangent is not None
 
@@ -564,20 +604,29 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
     if training and dropout > 0.0:
         mask = torch.rand((graph.num_edges, heads), device=x_src.device) >= dropout
         scale = 1.0 / (1.0 - dropout)
-    grad_inputs = (x_src, a_src, a_dst, edge_logits)
+    grad_inputs = [t for t in (x_src, a_src, a_dst, edge_logits) if t is not None]
+    compiling = torch.compiler.is_compiling()
+    with_tangent = any(_has_tangent(t) for t in grad_inputs)
     # The reverse index serves reverse-mode gradients; an input with a forward-mode tangent may
-    # have its tangent's graph differentiated later (jacrev over jvp), so it gets one too.
-    if torch.is_grad_enabled() and any(t is not None and (t.requires_grad or _has_tangent(t))
-                                       for t in grad_inputs):
+    # have its tangent's graph differentiated later (jacrev over jvp), so it gets one too. Under
+    # torch.compile requires_grad does not show through torch.func transforms: always built.
+    if torch.is_grad_enabled() and (compiling or with_tangent or any(t.requires_grad for t in grad_inputs)):
         rev = graph.reverse_index()
         rev_tensors = (rev.indptr, rev.edge, rev.dst)
     else:
         rev_tensors = (None, None, None)
-    # Dynamo cannot trace a Function with a custom jvp; compiled code gets the first-order one.
-    function = _GATAttentionFirstOrder if torch.compiler.is_compiling() else GATAttentionFunction
-    out, _, alpha = function.apply(
-        x_src, a_src, a_dst, el, graph.indptr, graph.indices, *rev_tensors, mask,
-        float(negative_slope), float(scale), bool(return_attention))
+    args = (x_src, a_src, a_dst, el, graph.indptr, graph.indices, *rev_tensors, mask,
+            float(negative_slope), float(scale), bool(return_attention))
+    if not compiling:
+        out, _, alpha = GATAttentionFunction.apply(*args)
+    elif with_tangent:
+        # Dynamo ignores a Function's jvp and differentiates its forward, whose op has no
+        # forward-mode formula: the tangent would come out zero. Run this call eagerly instead
+        # (a graph break; torch.compile(fullgraph=True) raises here).
+        out, _, alpha = _apply_eagerly(*args)
+    else:
+        # Dynamo cannot trace a Function that defines jvp: compiled code gets the first-order one.
+        out, _, alpha = _GATAttentionFirstOrder.apply(*args)
     if return_attention:
         return out, graph.original_order(alpha)
     return out
