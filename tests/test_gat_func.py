@@ -573,3 +573,20 @@ def test_torch_compile_forward_mode_falls_back_to_eager():
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(batched_grad(ours))(*inputs), batched_grad(ref)(*inputs),
                                atol=1e-5, rtol=1e-4)
+
+
+def test_graph_caches_built_inside_a_transform_do_not_escape():
+    """A fresh graph's lazily built index tensors (the reverse index), first built inside
+    jacrev(jacfwd(...)), must still work in later calls outside that transform."""
+    ei, nd, _, inputs = graph_and_inputs("random", heads=2, channels=2, seed=31)
+    ref = ref_fn(ei, nd, False)
+    for kind in ("fresh graph", "second call"):
+        graph = tg.BipartiteCSC.from_edge_index(ei, inputs[0].size(0), nd)
+        fn = ours_fn(graph, False)
+        loss = lambda f: (lambda *p: f(*p).sin().sum())  # noqa: E731
+        for argnum in (1, 0):  # the first call builds the cache inside the transforms
+            torch.testing.assert_close(jacrev(jacfwd(loss(fn), argnums=argnum), argnums=argnum)(*inputs),
+                                       jacrev(jacfwd(loss(ref), argnums=argnum), argnums=argnum)(*inputs))
+        x = inputs[0].clone().requires_grad_()
+        fn(x, *inputs[1:]).sum().backward()
+        assert x.grad is not None

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.autograd import forward_ad
 
 from ._library import check_backend, ops
-from .graph import BipartiteCSC
+from .graph import BipartiteCSC, csc_destinations
 
 __all__ = ["gat_attention", "GATAttentionFunction", "mha_gat_n2n", "edge_aggregate", "edge_dot"]
 
@@ -123,11 +123,32 @@ _register_head_folding_vmap("gat_sddmm", (2, 3))
 
 
 # ---------------------------------------------------------------------------- fused primitives
+def _prepare_graph(graph: BipartiteCSC, reverse: bool, inverse: bool):
+    """Build the graph's lazily cached index tensors that this call needs (the reverse index if
+    ``reverse``, the inverse edge permutation if ``inverse``) now, with torch.func off; return
+    the reverse index (or None).
+
+    BipartiteCSC keeps them once built; built inside a torch.func transform they would be that
+    transform's wrapped tensors, and a later call outside it would use escaped tensors
+    ("escaped?" internal asserts). Under torch.compile they are traced as they are."""
+    def build():
+        if inverse and graph.perm is not None:
+            graph.original_order(graph.indices.new_empty((graph.num_edges, 0)))  # caches the inverse
+        return graph.reverse_index() if reverse else None
+    if not (reverse or inverse):
+        return None
+    if torch.compiler.is_compiling():
+        return build()
+    with torch._C._DisableFuncTorch():
+        return build()
+
+
 class _Edges(NamedTuple):
-    """The index tensors the primitives walk: CSC (``indptr``, ``indices``: source per position)
-    and the source-grouped reverse index (None when no reverse-mode gradient was wanted)."""
+    """The index tensors the primitives walk: CSC (``indptr``, ``indices``: source per position,
+    ``dst``: destination per position) and the source-grouped reverse index (None when no reverse-mode gradient was wanted)."""
     indptr: torch.Tensor
     indices: torch.Tensor
+    dst: torch.Tensor  # destination of each CSC position
     rev_indptr: Optional[torch.Tensor]
     rev_edge: Optional[torch.Tensor]
     rev_dst: Optional[torch.Tensor]
@@ -139,8 +160,14 @@ class _Edges(NamedTuple):
 
     @staticmethod
     def of(graph: BipartiteCSC) -> "_Edges":
-        rev = graph.reverse_index()
-        return _Edges(graph.indptr, graph.indices, rev.indptr, rev.edge, rev.dst, graph.num_src)
+        rev = _prepare_graph(graph, reverse=True, inverse=True)
+        return _Edges(graph.indptr, graph.indices, graph.dst_index(), rev.indptr, rev.edge, rev.dst,
+                      graph.num_src)
+
+    @staticmethod
+    def of_csc(indptr, indices, rev_indptr, rev_edge, rev_dst, num_src) -> "_Edges":
+        return _Edges(indptr, indices, csc_destinations(indptr, indices.numel()), rev_indptr, rev_edge,
+                      rev_dst, num_src)
 
 
 def _need_reverse(rev_indptr) -> None:
@@ -159,7 +186,7 @@ class _EdgeAggregate(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(weight, values, into_dst, indptr, indices, rev_indptr, rev_edge, rev_dst, num_src):
+    def forward(weight, values, into_dst, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src):
         if into_dst:
             return ops.gat_spmm(weight, values, indptr, indices, None)
         _need_reverse(rev_indptr)
@@ -167,11 +194,13 @@ class _EdgeAggregate(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        weight, values, into_dst, indptr, indices, rev_indptr, rev_edge, rev_dst, num_src = inputs
+        weight, values, into_dst, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src = inputs
         ctx.into_dst = into_dst
         ctx.num_src = num_src
-        ctx.save_for_backward(weight, values, indptr, indices, rev_indptr, rev_edge, rev_dst)
-        ctx.save_for_forward(weight, values, indptr, indices, rev_indptr, rev_edge, rev_dst)
+        # (Not trimmed by needs_input_grad: under torch.func transforms setup_context runs per
+        # level and a trimmed save came back None where a gradient was wanted.)
+        ctx.save_for_backward(weight, values, indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+        ctx.save_for_forward(weight, values, indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
 
     @staticmethod
     def backward(ctx, grad):
@@ -184,7 +213,7 @@ class _EdgeAggregate(torch.autograd.Function):
                            else _edge_dot(values, grad, edges))
         if ctx.needs_input_grad[1]:
             grad_values = _edge_aggregate(weight, grad, edges, not ctx.into_dst)
-        return (grad_weight, grad_values) + (None,) * 7
+        return (grad_weight, grad_values) + (None,) * 8
 
     @staticmethod
     def jvp(ctx, t_weight, t_values, *_):
@@ -203,15 +232,15 @@ class _EdgeDot(torch.autograd.Function):
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(a, b, indptr, indices, rev_indptr, rev_edge, rev_dst, num_src):
+    def forward(a, b, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src):
         return ops.gat_sddmm(a, b, indptr, indices)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        a, b, indptr, indices, rev_indptr, rev_edge, rev_dst, num_src = inputs
+        a, b, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src = inputs
         ctx.num_src = num_src
-        ctx.save_for_backward(a, b, indptr, indices, rev_indptr, rev_edge, rev_dst)
-        ctx.save_for_forward(a, b, indptr, indices, rev_indptr, rev_edge, rev_dst)
+        ctx.save_for_backward(a, b, indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+        ctx.save_for_forward(a, b, indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
 
     @staticmethod
     def backward(ctx, grad):
@@ -219,7 +248,7 @@ class _EdgeDot(torch.autograd.Function):
         edges = _Edges(*index, ctx.num_src)
         grad_a = _edge_aggregate(grad, b, edges, True) if ctx.needs_input_grad[0] else None
         grad_b = _edge_aggregate(grad, a, edges, False) if ctx.needs_input_grad[1] else None
-        return (grad_a, grad_b) + (None,) * 6
+        return (grad_a, grad_b) + (None,) * 7
 
     @staticmethod
     def jvp(ctx, t_a, t_b, *_):
@@ -240,50 +269,133 @@ def _edge_dot(a, b, edges: _Edges) -> torch.Tensor:
     return _EdgeDot.apply(a, b, *edges)
 
 
-def _ones(rows: int, like: torch.Tensor) -> torch.Tensor:
-    return torch.ones((rows, like.size(1), 1), dtype=like.dtype, device=like.device)
+# E x H moves between nodes and edges. Gathers are index_select (deterministic); sums are the
+# SpMM primitive with one channel of ones (deterministic, no scatter atomics). Each is the
+# other's adjoint, so all orders stay deterministic and O(E x H).
+class _ToEdges(torch.autograd.Function):
+    """``[N, H]`` per-node values -> ``[E, H]`` (CSC order): each edge takes its ``side`` node's."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(t, side, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src):
+        if side == "src":
+            return t.index_select(0, indices)
+        return t.index_select(0, dst)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        t, side, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src = inputs
+        ctx.side = side
+        ctx.num_src = num_src
+        ctx.save_for_backward(indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+        ctx.save_for_forward(indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        edges = _Edges(*ctx.saved_tensors, ctx.num_src)
+        return (_sum_to_nodes(grad, edges, ctx.side),) + (None,) * 8
+
+    @staticmethod
+    def jvp(ctx, t_t, *_):
+        return _to_edges(t_t, _Edges(*ctx.saved_tensors, ctx.num_src), ctx.side)
 
 
-# E x H moves between nodes and edges, as the primitives with one channel (so they stay
-# deterministic, with no scatter atomics, and differentiable to any order like the rest).
 def _to_edges(t: torch.Tensor, edges: _Edges, side: str) -> torch.Tensor:
     """``[N, H]`` per-node values -> ``[E, H]``: each edge takes its ``side`` node's value."""
-    if side == "dst":
-        return _edge_dot(t.unsqueeze(-1), _ones(edges.num_src, t), edges)
-    return _edge_dot(_ones(edges.num_dst, t), t.unsqueeze(-1), edges)
+    return _ToEdges.apply(t, side, *edges)
+
+
+class _ToNodes(torch.autograd.Function):
+    """``[E, H]`` (CSC order) -> ``[N, H]``: each ``side`` node sums the values of its edges."""
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(w, side, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src):
+        if side == "dst":
+            ones = torch.ones((num_src, w.size(1), 1), dtype=w.dtype, device=w.device)
+            return ops.gat_spmm(w, ones, indptr, indices, None).squeeze(-1)
+        _need_reverse(rev_indptr)
+        ones = torch.ones((indptr.numel() - 1, w.size(1), 1), dtype=w.dtype, device=w.device)
+        return ops.gat_spmm(w, ones, rev_indptr, rev_dst, rev_edge).squeeze(-1)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        w, side, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src = inputs
+        ctx.side = side
+        ctx.num_src = num_src
+        ctx.save_for_backward(indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+        ctx.save_for_forward(indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        edges = _Edges(*ctx.saved_tensors, ctx.num_src)
+        return (_to_edges(grad, edges, ctx.side),) + (None,) * 8
+
+    @staticmethod
+    def jvp(ctx, t_w, *_):
+        return _sum_to_nodes(t_w, _Edges(*ctx.saved_tensors, ctx.num_src), ctx.side)
 
 
 def _sum_to_nodes(w: torch.Tensor, edges: _Edges, side: str) -> torch.Tensor:
     """``[E, H]`` -> ``[N, H]``: each ``side`` node sums the values of its edges."""
-    if side == "dst":
-        return _edge_aggregate(w, _ones(edges.num_src, w), edges, True).squeeze(-1)
-    return _edge_aggregate(w, _ones(edges.num_dst, w), edges, False).squeeze(-1)
+    return _ToNodes.apply(w, side, *edges)
 
 
 # ---------------------------------------------------------------------------- differentiable GAT math
-def _attention_probs(a_src, a_dst, el, lse, edges: _Edges, negative_slope: float):
-    """Pre-activation scores ``z [E, H]`` and softmax ``p [E, H]`` (before dropout), CSC order.
+class _EdgeSoftmax(torch.autograd.Function):
+    """Softmax of edge scores ``s [E, H]`` (CSC order) over each destination's incoming edges.
 
-    ``lse`` (the forward's log-sum-exp) only shifts the exponent for stability; ``p`` is
-    renormalised, so it is exact and its derivatives are the softmax's own."""
-    z = _to_edges(a_src, edges, "src") + _to_edges(a_dst, edges, "dst")
-    if el is not None:
-        z = z + el
-    q = torch.exp(F.leaky_relu(z, negative_slope) - _to_edges(lse, edges, "dst"))
-    p = q / _to_edges(_sum_to_nodes(q, edges, "dst"), edges, "dst")
-    return z, p
+    ``lse [num_dst, H]`` (the forward kernel's log-sum-exp) only shifts the exponent for
+    stability; the result is renormalised, so it is exact. Saves only its output: inside a
+    double backward the recorded graph keeps one ``E x H`` tensor here, not every temporary."""
+    generate_vmap_rule = True
 
+    @staticmethod
+    def forward(scores, lse, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src):
+        edges = _Edges(indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src)
+        q = torch.exp(scores - _to_edges(lse, edges, "dst"))
+        return q / _to_edges(_sum_to_nodes(q, edges, "dst"), edges, "dst")
 
-def _leaky_relu_slope(z: torch.Tensor, negative_slope: float) -> torch.Tensor:
-    """leaky_relu'(z): 1 where z > 0, else the slope (as autograd and the kernels take it)."""
-    return torch.where(z > 0, z.new_ones(()), z.new_full((), negative_slope))
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        scores, lse, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src = inputs
+        ctx.num_src = num_src
+        ctx.save_for_backward(output, indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+        ctx.save_for_forward(output, indptr, indices, dst, rev_indptr, rev_edge, rev_dst)
+
+    @staticmethod
+    def backward(ctx, grad_p):
+        p, *index = ctx.saved_tensors
+        return (_softmax_jvp(p, grad_p, _Edges(*index, ctx.num_src)),) + (None,) * 8
+
+    @staticmethod
+    def jvp(ctx, t_scores, *_):
+        p, *index = ctx.saved_tensors
+        if t_scores is None:  # only the (constant) shift moved
+            return torch.zeros_like(p)
+        return _softmax_jvp(p, t_scores, _Edges(*index, ctx.num_src))
 
 
 def _softmax_jvp(p, t_s, edges: _Edges):
     """Directional derivative of the per-destination softmax ``p`` along scores moving by ``t_s``
-    (also the backward's ``d_s`` from ``d_p``, the softmax Jacobian being symmetric)."""
+    (also its vector-Jacobian product, the Jacobian ``diag(p) - p p^T`` being symmetric)."""
     pt = p * t_s
     return pt - p * _to_edges(_sum_to_nodes(pt, edges, "dst"), edges, "dst")
+
+
+def _attention_probs(a_src, a_dst, el, lse, edges: _Edges, negative_slope: float):
+    """Pre-activation scores ``z [E, H]`` and softmax ``p [E, H]`` (before dropout), CSC order."""
+    z = _to_edges(a_src, edges, "src") + _to_edges(a_dst, edges, "dst")
+    if el is not None:
+        z = z + el
+    p = _EdgeSoftmax.apply(F.leaky_relu(z, negative_slope), lse, *edges)
+    return z, p
+
+
+def _leaky_relu_grad(grad: torch.Tensor, z: torch.Tensor, negative_slope: float) -> torch.Tensor:
+    """``grad * leaky_relu'(z)`` (slope where z <= 0, as autograd and the kernels take it), with
+    no slope tensor materialised; differentiable to any order, with forward mode and vmap."""
+    return torch.ops.aten.leaky_relu_backward(grad, z, negative_slope, False)
 
 
 def _gat_backward_differentiable(grad_out, grad_alpha, x_src, a_src, a_dst, el, lse, edges: _Edges,
@@ -304,7 +416,7 @@ def _gat_backward_differentiable(grad_out, grad_alpha, x_src, a_src, a_dst, el, 
         if grad_alpha is not None:
             d_alpha = d_alpha + grad_alpha.to(acc)
         d_z = _softmax_jvp(p, d_alpha if keep is None else d_alpha * keep, edges)
-        d_z = d_z * _leaky_relu_slope(z, negative_slope)
+        d_z = _leaky_relu_grad(d_z, z, negative_slope)
         if needs[1]:
             grads[1] = _sum_to_nodes(d_z, edges, "src")
         if needs[2]:
@@ -332,7 +444,7 @@ def _gat_jvp(t_x, t_asrc, t_adst, t_el, x_src, a_src, a_dst, el, lse, edges: _Ed
         t_z = t_el.to(acc) if t_z is None else t_z + t_el.to(acc)
     t_out = t_alpha = None
     if t_z is not None:
-        t_alpha = _softmax_jvp(p, t_z * _leaky_relu_slope(z, negative_slope), edges)
+        t_alpha = _softmax_jvp(p, _leaky_relu_grad(t_z, z, negative_slope), edges)
         if keep is not None:
             t_alpha = t_alpha * keep
         t_out = _edge_aggregate(t_alpha, x, edges, True)
@@ -387,7 +499,7 @@ class _GATAttentionFirstOrder(torch.autograd.Function):
         if any(needs) and not ctx.has_rev:
             raise RuntimeError("GATAttentionFunction: the reverse index was not passed to forward, "
                                "but a gradient is needed; call gat_attention() instead")
-        edges = _Edges(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
+        edges = _Edges.of_csc(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
         grads = _gat_backward(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge_logits, edges,
                               dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
         return tuple(grads) + (None,) * 9
@@ -437,7 +549,7 @@ class GATAttentionFunction(_GATAttentionFirstOrder):
     def jvp(ctx, t_x, t_asrc, t_adst, t_el, *_):
         (x_src, a_src, a_dst, el, indptr, indices, rev_indptr, rev_edge, rev_dst, mask, out,
          lse) = ctx.saved_tensors
-        edges = _Edges(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
+        edges = _Edges.of_csc(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
         t_out, t_alpha = _gat_jvp(t_x, t_asrc, t_adst, t_el, x_src, a_src, a_dst, el, lse, edges, mask,
                                   ctx.negative_slope, ctx.dropout_scale, ctx.return_alpha)
         return t_out, None, t_alpha
@@ -610,11 +722,10 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
     # The reverse index serves reverse-mode gradients; an input with a forward-mode tangent may
     # have its tangent's graph differentiated later (jacrev over jvp), so it gets one too. Under
     # torch.compile requires_grad does not show through torch.func transforms: always built.
-    if torch.is_grad_enabled() and (compiling or with_tangent or any(t.requires_grad for t in grad_inputs)):
-        rev = graph.reverse_index()
-        rev_tensors = (rev.indptr, rev.edge, rev.dst)
-    else:
-        rev_tensors = (None, None, None)
+    want_reverse = torch.is_grad_enabled() and (
+        compiling or with_tangent or any(t.requires_grad for t in grad_inputs))
+    rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
+    rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)
     args = (x_src, a_src, a_dst, el, graph.indptr, graph.indices, *rev_tensors, mask,
             float(negative_slope), float(scale), bool(return_attention))
     if not compiling:
