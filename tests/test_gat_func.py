@@ -112,10 +112,11 @@ def test_primitives_low_precision(dtype, tol):
     v_src = torch.randn(ns, 4, 33, generator=g, dtype=torch.float64)
     v_dst = torch.randn(nd, 4, 33, generator=g, dtype=torch.float64)
     lo = lambda t: t.to(dtype)  # noqa: E731
+    hi = lambda t: lo(t).double()  # noqa: E731  (the reference sees the rounded inputs)
     for got, ref in [
-        (edge_aggregate(lo(w), lo(v_src), graph, "dst"), ref_aggregate(lo(w).double(), lo(v_src).double(), ei, nd, "dst")),
-        (edge_aggregate(lo(w), lo(v_dst), graph, "src"), ref_aggregate(lo(w).double(), lo(v_dst).double(), ei, ns, "src")),
-        (edge_dot(lo(v_dst), lo(v_src), graph), ref_dot(lo(v_dst).double(), lo(v_src).double(), ei)),
+        (edge_aggregate(lo(w), lo(v_src), graph, "dst"), ref_aggregate(hi(w), hi(v_src), ei, nd, "dst")),
+        (edge_aggregate(lo(w), lo(v_dst), graph, "src"), ref_aggregate(hi(w), hi(v_dst), ei, ns, "src")),
+        (edge_dot(lo(v_dst), lo(v_src), graph), ref_dot(hi(v_dst), hi(v_src), ei)),
     ]:
         assert got.dtype == dtype
         torch.testing.assert_close(got.double(), ref, atol=tol * ref.abs().max().item(), rtol=tol)

@@ -145,7 +145,8 @@ def _prepare_graph(graph: BipartiteCSC, reverse: bool, inverse: bool):
 
 class _Edges(NamedTuple):
     """The index tensors the primitives walk: CSC (``indptr``, ``indices``: source per position,
-    ``dst``: destination per position) and the source-grouped reverse index (None when no reverse-mode gradient was wanted)."""
+    ``dst``: destination per position) and the source-grouped reverse index (None when no
+    reverse-mode gradient was wanted)."""
     indptr: torch.Tensor
     indices: torch.Tensor
     dst: torch.Tensor  # destination of each CSC position
