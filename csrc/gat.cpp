@@ -137,6 +137,57 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_gat_gradient
           a.want_edge_logits ? at::empty({f.indices.numel(), f.x_src.size(1)}, f.x_src.options()) : empty()};
 }
 
+GatSpmmArgs prepare_gat_spmm(const at::Tensor& weight, const at::Tensor& values, const at::Tensor& indptr,
+                             const at::Tensor& neighbors, const c10::optional<at::Tensor>& edge_ids) {
+  check_floating(values, "values");
+  check_dim(values, 3, "values");
+  check_dim(weight, 2, "weight");
+  TORCH_CHECK(weight.size(1) == values.size(1), "weight must have ", values.size(1),
+              " heads (values.size(1)), got shape ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == values.scalar_type(), "weight (", weight.scalar_type(),
+              ") must have the dtype of values (", values.scalar_type(), ")");
+  check_index(indptr, "indptr");
+  check_index(neighbors, "neighbors");
+  TORCH_CHECK(indptr.numel() >= 1, "indptr must have num_rows + 1 >= 1 entries");
+  TORCH_CHECK(neighbors.scalar_type() == indptr.scalar_type(), "neighbors and indptr must share one dtype");
+  TORCH_CHECK(neighbors.numel() == weight.size(0), "neighbors must have one entry per edge (weight.size(0) = ",
+              weight.size(0), "), got ", neighbors.numel());
+  check_same_device(values, "values", weight, "weight");
+  check_same_device(values, "values", indptr, "indptr");
+  check_same_device(values, "values", neighbors, "neighbors");
+  if (edge_ids.has_value()) {
+    check_index(*edge_ids, "edge_ids");
+    TORCH_CHECK(edge_ids->scalar_type() == indptr.scalar_type(), "edge_ids and indptr must share one dtype");
+    TORCH_CHECK(edge_ids->numel() == weight.size(0), "edge_ids must have one entry per edge (weight.size(0) = ",
+                weight.size(0), "), got ", edge_ids->numel());
+    check_same_device(values, "values", *edge_ids, "edge_ids");
+  }
+  return {weight.contiguous(), values.contiguous(), indptr.contiguous(), neighbors.contiguous(),
+          contiguous_or_undefined(edge_ids)};
+}
+
+GatSddmmArgs prepare_gat_sddmm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& indptr,
+                               const at::Tensor& indices) {
+  check_floating(a, "a");
+  check_dim(a, 3, "a");
+  check_dim(b, 3, "b");
+  TORCH_CHECK(b.size(1) == a.size(1) && b.size(2) == a.size(2), "b must have a's heads and channels (",
+              a.size(1), ", ", a.size(2), "), got shape ", b.sizes());
+  TORCH_CHECK(b.scalar_type() == a.scalar_type(), "b (", b.scalar_type(), ") must have the dtype of a (",
+              a.scalar_type(), ")");
+  check_index(indptr, "indptr");
+  check_index(indices, "indices");
+  TORCH_CHECK(indices.scalar_type() == indptr.scalar_type(), "indices and indptr must share one dtype");
+  TORCH_CHECK(indptr.numel() == a.size(0) + 1, "indptr must have a.size(0) + 1 = ", a.size(0) + 1,
+              " entries, got ", indptr.numel());
+  TORCH_CHECK(a.size(0) > 0 || indices.numel() == 0, "indices has ", indices.numel(),
+              " edges but a has no rows to hold them");
+  check_same_device(a, "a", b, "b");
+  check_same_device(a, "a", indptr, "indptr");
+  check_same_device(a, "a", indices, "indices");
+  return {a.contiguous(), b.contiguous(), indptr.contiguous(), indices.contiguous()};
+}
+
 }  // namespace torch_gradops
 
 TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
@@ -152,4 +203,11 @@ TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
       "Tensor a_src, Tensor a_dst, Tensor? edge_logits, Tensor indptr, Tensor indices, "
       "Tensor rev_indptr, Tensor rev_edge, Tensor rev_dst, Tensor? dropout_mask, "
       "float negative_slope, float dropout_scale, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // The two primitives the differentiable (double-backward and forward-mode) GAT paths are built
+  // from; each one's derivatives are the two of them again, so every order stays O(E x H) extra.
+  // Edge-weighted aggregation (SpMM): out [indptr.numel()-1, H, C],
+  //   out[n] = sum_{k in indptr[n]..indptr[n+1]} weight[edge_ids[k] or k] * values[neighbors[k]].
+  m.def("gat_spmm(Tensor weight, Tensor values, Tensor indptr, Tensor neighbors, Tensor? edge_ids) -> Tensor");
+  // Per-edge dot products (SDDMM) in CSC order: out [E, H], out[e] = <a[row of e], b[indices[e]]>.
+  m.def("gat_sddmm(Tensor a, Tensor b, Tensor indptr, Tensor indices) -> Tensor");
 }

@@ -53,6 +53,25 @@ GatBackwardArgs prepare_gat_backward(
 // since op outputs must not alias.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_gat_gradients(const GatBackwardArgs& a);
 
+// gat_spmm: out[n,h,:] = sum over k in indptr[n]..indptr[n+1] of
+//   weight[edge_ids[k] (or k), h] * values[neighbors[k], h, :]
+// (edge-weighted aggregation into destinations over the CSC arrays, or into sources over the
+// reverse index with edge_ids mapping back to CSC positions). Checked and contiguous; an absent
+// edge_ids is an undefined tensor.
+struct GatSpmmArgs {
+  at::Tensor weight, values, indptr, neighbors, edge_ids;
+};
+GatSpmmArgs prepare_gat_spmm(const at::Tensor& weight, const at::Tensor& values, const at::Tensor& indptr,
+                             const at::Tensor& neighbors, const c10::optional<at::Tensor>& edge_ids);
+
+// gat_sddmm: out[e,h] = <a[i,h,:], b[indices[e],h,:]> for the CSC positions e of row i
+// (per-edge dot products, in CSC order). Checked and contiguous.
+struct GatSddmmArgs {
+  at::Tensor a, b, indptr, indices;
+};
+GatSddmmArgs prepare_gat_sddmm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& indptr,
+                               const at::Tensor& indices);
+
 // dtype in which half types accumulate and the log-sum-exp is kept.
 inline at::ScalarType gat_acc_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;

@@ -11,6 +11,9 @@
 //   pass B, per source over the reverse index: alpha = exp(s - lse), dA = <g_i, x_j>, dz;
 //           grad x_src and grad a_src; dz into an [E,H] workspace;
 //   pass C, per destination: grad a_dst = sum of dz over the incoming edges.
+//
+// SpMM (edge-weighted aggregation) and SDDMM (per-edge dot products): the two primitives of
+// the differentiable paths (double backward, forward mode), at the end of this file.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -421,10 +424,112 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cpu(
   return {gx, gas, gad, gel};
 }
 
+// ------------------------------------------------------------------ SpMM / SDDMM primitives
+// Each output row (SpMM) or edge (SDDMM) is written by exactly one task, summing in a fixed
+// order: bitwise reproducible for any thread count.
+
+template <typename scalar_t, typename index_t>
+void spmm_kernel(const GatSpmmArgs& a, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = a.indptr.numel() - 1, E = a.neighbors.numel();
+  const int64_t num_values = a.values.size(0), H = a.values.size(1), C = a.values.size(2), HC = H * C;
+  const scalar_t* w = a.weight.data_ptr<scalar_t>();
+  const scalar_t* v = a.values.data_ptr<scalar_t>();
+  const index_t* ptr = a.indptr.data_ptr<index_t>();
+  const index_t* nbr = a.neighbors.data_ptr<index_t>();
+  const index_t* eid = a.edge_ids.defined() ? a.edge_ids.data_ptr<index_t>() : nullptr;
+  scalar_t* o = out.data_ptr<scalar_t>();
+  check_ptr_ends(ptr, rows, E, "indptr");
+  at::parallel_for(0, rows, node_grain(rows, E, HC), [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> acc(HC);
+    for (int64_t n = begin; n < end; ++n) {
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      const int64_t k0 = ptr[n], k1 = ptr[n + 1];
+      TORCH_CHECK(k0 <= k1 && k0 >= 0 && k1 <= E, "indptr must be non-decreasing and within [0, E]");
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t j = nbr[k];
+        const int64_t e = eid ? static_cast<int64_t>(eid[k]) : k;
+        TORCH_CHECK(j >= 0 && j < num_values, "neighbors: id ", j, " out of range [0, ", num_values, ")");
+        TORCH_CHECK(e >= 0 && e < E, "edge_ids: id ", e, " out of range [0, ", E, ")");
+        if (k + kPrefetchDistance < k1) {
+          const int64_t jn = nbr[k + kPrefetchDistance];
+          if (jn >= 0 && jn < num_values) prefetch_row(v + jn * HC, HC);
+        }
+        const scalar_t* vj = v + j * HC;
+        const scalar_t* we = w + e * H;
+        for (int64_t h = 0; h < H; ++h) {
+          const acc_t wh = static_cast<acc_t>(we[h]);
+          const scalar_t* vjh = vj + h * C;
+          acc_t* r = acc.data() + h * C;
+          for (int64_t c = 0; c < C; ++c) r[c] += wh * static_cast<acc_t>(vjh[c]);
+        }
+      }
+      scalar_t* on = o + n * HC;
+      for (int64_t f = 0; f < HC; ++f) on[f] = static_cast<scalar_t>(acc[f]);
+    }
+  });
+}
+
+template <typename scalar_t, typename index_t>
+void sddmm_kernel(const GatSddmmArgs& a, at::Tensor& out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = a.a.size(0), num_b = a.b.size(0), H = a.a.size(1), C = a.a.size(2), HC = H * C;
+  const int64_t E = a.indices.numel();
+  const scalar_t* ap = a.a.data_ptr<scalar_t>();
+  const scalar_t* bp = a.b.data_ptr<scalar_t>();
+  const index_t* ptr = a.indptr.data_ptr<index_t>();
+  const index_t* idx = a.indices.data_ptr<index_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  check_ptr_ends(ptr, rows, E, "indptr");
+  at::parallel_for(0, rows, node_grain(rows, E, HC), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+      TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
+      const scalar_t* ai = ap + i * HC;
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t j = idx[e];
+        TORCH_CHECK(j >= 0 && j < num_b, "indices: id ", j, " out of range [0, ", num_b, ")");
+        if (e + kPrefetchDistance < e1) {
+          const int64_t jn = idx[e + kPrefetchDistance];
+          if (jn >= 0 && jn < num_b) prefetch_row(bp + jn * HC, HC);
+        }
+        const scalar_t* bj = bp + j * HC;
+        for (int64_t h = 0; h < H; ++h) o[e * H + h] = static_cast<scalar_t>(dot<acc_t>(ai + h * C, bj + h * C, C));
+      }
+    }
+  });
+}
+
+at::Tensor gat_spmm_cpu(const at::Tensor& weight, const at::Tensor& values, const at::Tensor& indptr,
+                        const at::Tensor& neighbors, const c10::optional<at::Tensor>& edge_ids) {
+  const auto a = prepare_gat_spmm(weight, values, indptr, neighbors, edge_ids);
+  at::Tensor out = at::empty({a.indptr.numel() - 1, a.values.size(1), a.values.size(2)}, a.values.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.values.scalar_type(), "gat_spmm_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.indptr.scalar_type(), "gat_spmm_cpu_index", [&] {
+      spmm_kernel<scalar_t, index_t>(a, out);
+    });
+  });
+  return out;
+}
+
+at::Tensor gat_sddmm_cpu(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& indptr,
+                         const at::Tensor& indices) {
+  const auto a = prepare_gat_sddmm(a_in, b_in, indptr, indices);
+  at::Tensor out = at::empty({a.indices.numel(), a.a.size(1)}, a.a.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.a.scalar_type(), "gat_sddmm_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.indptr.scalar_type(), "gat_sddmm_cpu_index", [&] {
+      sddmm_kernel<scalar_t, index_t>(a, out);
+    });
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace torch_gradops
 
 TORCH_LIBRARY_IMPL(torch_gradops, CPU, m) {
   m.impl("gat_forward", &torch_gradops::gat_forward_cpu);
   m.impl("gat_backward", &torch_gradops::gat_backward_cpu);
+  m.impl("gat_spmm", &torch_gradops::gat_spmm_cpu);
+  m.impl("gat_sddmm", &torch_gradops::gat_sddmm_cpu);
 }

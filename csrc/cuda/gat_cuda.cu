@@ -11,6 +11,8 @@
 //           grad a_dst summed in edge order;
 //   pass 2: a thread per (source, feature) over the source-grouped reverse index: grad x_src,
 //           and grad a_src from the threads with c == 0.
+// SpMM (edge-weighted aggregation) and SDDMM (per-edge dot products), the primitives of the
+// differentiable paths, are at the end of this file.
 // All offsets that scale with nodes x features or edges are 64-bit.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -316,10 +318,141 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cuda(
   return {gx, gas, gad, gel};
 }
 
+// ------------------------------------------------------------------ SpMM / SDDMM primitives
+// SpMM: a thread per (output row, feature f = h*C + c), summing the row's edges in order, as
+// the forward kernel does (a warp reads values[j, f..f+31] coalesced). No atomics.
+template <typename scalar_t, typename index_t>
+__global__ void gat_spmm_kernel(const scalar_t* __restrict__ w, const scalar_t* __restrict__ v,
+                                const index_t* __restrict__ ptr, const index_t* __restrict__ nbr,
+                                const index_t* __restrict__ eid, scalar_t* __restrict__ out, int64_t rows,
+                                int64_t num_values, int64_t E, int64_t H, int64_t C) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t HC = H * C;
+  const int64_t f = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
+  if (f >= HC) return;
+  const int64_t h = f / C;
+  for (int64_t n = static_cast<int64_t>(blockIdx.x) * blockDim.y + threadIdx.y; n < rows;
+       n += static_cast<int64_t>(gridDim.x) * blockDim.y) {
+    const int64_t k0 = ptr[n], k1 = ptr[n + 1];
+    check_edge_range(k0, k1, n, rows, E);
+    acc_t acc = 0;
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t j = nbr[k];
+      const int64_t e = eid ? static_cast<int64_t>(eid[k]) : k;
+      CUDA_KERNEL_ASSERT(j >= 0 && j < num_values && "neighbors: id out of range");
+      CUDA_KERNEL_ASSERT(e >= 0 && e < E && "edge_ids: id out of range");
+      acc += static_cast<acc_t>(w[e * H + h]) * static_cast<acc_t>(v[j * HC + f]);
+    }
+    out[n * HC + f] = static_cast<scalar_t>(acc);
+  }
+}
+
+// The CSC row holding position e: the largest i < rows with ptr[i] <= e.
+template <typename index_t>
+__device__ __forceinline__ int64_t csc_row_of(const index_t* __restrict__ ptr, int64_t rows, int64_t e) {
+  int64_t lo = 0, hi = rows - 1;
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo + 1) / 2;
+    if (static_cast<int64_t>(ptr[mid]) <= e) lo = mid; else hi = mid - 1;
+  }
+  return lo;
+}
+
+// SDDMM: a group of `group` lanes (a power of two <= 32, >= min(C, 32)) per (edge, head) pair,
+// each summing a strided share of the channels, then a fixed butterfly within the group. All
+// lanes of a warp run the same iterations (the loop bound depends only on the warp), so the
+// full-mask shuffles are well defined. The edge's row comes from a binary search of indptr.
+template <typename scalar_t, typename index_t>
+__global__ void gat_sddmm_kernel(const scalar_t* __restrict__ a, const scalar_t* __restrict__ b,
+                                 const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
+                                 scalar_t* __restrict__ out, int64_t rows, int64_t num_b, int64_t E, int64_t H,
+                                 int64_t C, int group) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t HC = H * C;
+  const int lane = threadIdx.x % kWarp;
+  const int sub = lane / group, lane_in_group = lane % group;
+  const int64_t pairs_per_warp = kWarp / group;
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / kWarp;
+  const int64_t num_warps = static_cast<int64_t>(gridDim.x) * blockDim.x / kWarp;
+  const int64_t total = E * H;
+  if (warp == 0 && lane == 0) {
+    CUDA_KERNEL_ASSERT(ptr[0] == 0 && static_cast<int64_t>(ptr[rows]) == E && "indptr must start at 0 and end at E");
+  }
+  for (int64_t base = warp * pairs_per_warp; base < total; base += num_warps * pairs_per_warp) {
+    const int64_t pair = base + sub;
+    const bool valid = pair < total;
+    acc_t part = 0;
+    int64_t e = 0, h = 0;
+    if (valid) {
+      e = pair / H;
+      h = pair % H;
+      const int64_t i = csc_row_of(ptr, rows, e);
+      CUDA_KERNEL_ASSERT(static_cast<int64_t>(ptr[i]) <= e && e < static_cast<int64_t>(ptr[i + 1]) &&
+                         "indptr must be non-decreasing and within [0, E]");
+      const int64_t j = idx[e];
+      CUDA_KERNEL_ASSERT(j >= 0 && j < num_b && "indices: id out of range");
+      const scalar_t* ai = a + i * HC + h * C;
+      const scalar_t* bj = b + j * HC + h * C;
+      for (int64_t c = lane_in_group; c < C; c += group) part += static_cast<acc_t>(ai[c]) * static_cast<acc_t>(bj[c]);
+    }
+    for (int offset = group / 2; offset > 0; offset /= 2) part += __shfl_xor_sync(0xffffffffu, part, offset);
+    if (valid && lane_in_group == 0) out[e * H + h] = static_cast<scalar_t>(part);
+  }
+}
+
+at::Tensor gat_spmm_cuda(const at::Tensor& weight, const at::Tensor& values, const at::Tensor& indptr,
+                         const at::Tensor& neighbors, const c10::optional<at::Tensor>& edge_ids) {
+  const auto a = prepare_gat_spmm(weight, values, indptr, neighbors, edge_ids);
+  const c10::cuda::CUDAGuard guard(a.values.device());
+  const int64_t rows = a.indptr.numel() - 1, H = a.values.size(1), C = a.values.size(2);
+  at::Tensor out = at::empty({rows, H, C}, a.values.options());
+  if (out.numel() == 0) return out;
+  const dim3 block = feature_block(H * C);
+  const dim3 grid = feature_grid(rows, H * C, block);
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.values.scalar_type(), "gat_spmm_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.indptr.scalar_type(), "gat_spmm_cuda_index", [&] {
+      gat_spmm_kernel<scalar_t, index_t><<<grid, block, 0, stream>>>(
+          a.weight.data_ptr<scalar_t>(), a.values.data_ptr<scalar_t>(), a.indptr.data_ptr<index_t>(),
+          a.neighbors.data_ptr<index_t>(), ptr_or_null<index_t>(a.edge_ids), out.data_ptr<scalar_t>(), rows,
+          a.values.size(0), a.neighbors.numel(), H, C);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
+at::Tensor gat_sddmm_cuda(const at::Tensor& a_in, const at::Tensor& b_in, const at::Tensor& indptr,
+                          const at::Tensor& indices) {
+  const auto a = prepare_gat_sddmm(a_in, b_in, indptr, indices);
+  const c10::cuda::CUDAGuard guard(a.a.device());
+  const int64_t rows = a.a.size(0), H = a.a.size(1), C = a.a.size(2), E = a.indices.numel();
+  at::Tensor out = at::empty({E, H}, a.a.options());
+  if (out.numel() == 0) return out;
+  if (C == 0) return out.zero_();
+  int group = 1;
+  while (group < C && group < kWarp) group *= 2;
+  const int64_t pairs_per_block = (kThreads / kWarp) * (kWarp / group);
+  const unsigned blocks = static_cast<unsigned>(
+      std::max<int64_t>(1, std::min<int64_t>((E * H + pairs_per_block - 1) / pairs_per_block, kMaxBlocks)));
+  auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.a.scalar_type(), "gat_sddmm_cuda", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.indptr.scalar_type(), "gat_sddmm_cuda_index", [&] {
+      gat_sddmm_kernel<scalar_t, index_t><<<blocks, kThreads, 0, stream>>>(
+          a.a.data_ptr<scalar_t>(), a.b.data_ptr<scalar_t>(), a.indptr.data_ptr<index_t>(),
+          a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), rows, a.b.size(0), E, H, C, group);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return out;
+}
+
 }  // namespace
 }  // namespace torch_gradops
 
 TORCH_LIBRARY_IMPL(torch_gradops, CUDA, m) {
   m.impl("gat_forward", &torch_gradops::gat_forward_cuda);
   m.impl("gat_backward", &torch_gradops::gat_backward_cuda);
+  m.impl("gat_spmm", &torch_gradops::gat_spmm_cuda);
+  m.impl("gat_sddmm", &torch_gradops::gat_sddmm_cuda);
 }
