@@ -7,6 +7,7 @@ kernels for ``torch.compile``); the Python API wraps them in ``torch.autograd.Fu
 from ._library import built_with_cuda
 from .graph import BipartiteCSC
 from .gat import GATAttentionFunction, gat_attention, mha_gat_n2n
+from .gatv2 import GATv2AttentionFunction, gatv2_attention, mha_gat_v2_n2n
 from . import tensornet
 from .tensornet import ContractFunction, ContractionPlan
 
@@ -16,3 +17,4 @@ __version__ = "0.1.0"
 
 __all__ = ["BipartiteCSC", "GATAttentionFunction", "gat_attention", "mha_gat_n2n", "built_with_cuda",
            "tensornet", "contract", "ContractFunction", "ContractionPlan"]
+__all__ += ["GATv2AttentionFunction", "gatv2_attention", "mha_gat_v2_n2n"]
