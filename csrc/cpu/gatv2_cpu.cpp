@@ -331,8 +331,8 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     std::vector<acc_t> xdi(HC), z(HC), lr(HC), t(HC), dz(HC), gxd_acc(HC), gea_row(K);
     std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H);
     for (int64_t chunk = cbegin; chunk < cend; ++chunk) {
-      acc_t* patt = partial ? partial + chunk * partial_size : nullptr;
-      acc_t* pw = partial ? partial + chunk * partial_size + att_part : nullptr;
+      acc_t* patt = want_att ? partial + chunk * partial_size : nullptr;
+      acc_t* pw = want_w ? partial + chunk * partial_size + att_part : nullptr;
       for (int64_t i = bounds[chunk]; i < bounds[chunk + 1]; ++i) {
         const int64_t e0 = ptr[i], e1 = ptr[i + 1];
         TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
