@@ -257,6 +257,18 @@ def test_sparse_tensor_matches_pyg(add_loops):
     close(a2.to_dense(), a1.to_dense())
 
 
+@pytest.mark.skipif(not WITH_TORCH_SPARSE, reason="torch_sparse is not installed")
+def test_sparse_tensor_with_edge_dim_and_loops_is_refused_like_pyg():
+    from torch_geometric.typing import SparseTensor
+    theirs, ours = pair(8, 4, heads=2, edge_dim=3)
+    ei = torch.unique(random_graph(10, 10, 30), dim=1)
+    adj_t = SparseTensor(row=ei[1], col=ei[0], value=torch.randn(ei.size(1), 3), sparse_sizes=(10, 10))
+    x = torch.randn(10, 8)
+    for conv in (theirs, ours):
+        with pytest.raises(NotImplementedError, match="SparseTensor"):
+            conv(x, adj_t)
+
+
 def test_return_attention_weights_false_and_none():
     theirs, ours = pair(8, 4, heads=2)
     x, ei = torch.randn(10, 8), random_graph(10, 10, 30)

@@ -105,11 +105,15 @@ def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) 
 
 # ---------------------------------------------------------------------------- PyG conventions
 def propagate_sizes(edge_index, num_src: int, num_dst_rows: Optional[int], size: Optional[Tuple[int, int]],
-                    add_loops: bool) -> Tuple[int, Optional[int]]:
+                    add_loops: bool, edge_dim: Optional[int] = None) -> Tuple[int, Optional[int]]:
     """``(num_dst, num_loops)`` as PyG's attention layers infer them: destinations from ``x_dst``'s
     rows, ``size[1]``, a sparse adjacency's rows or an ``EdgeIndex``'s columns (else the source
     count); the self-loops to add (None without ``add_loops``), as those layers count them.
-    ``num_dst_rows`` is ``x_dst.size(0)`` or None."""
+    ``num_dst_rows`` is ``x_dst.size(0)`` or None. Like PyG, a ``SparseTensor`` with self-loops
+    to add cannot carry edge features (``edge_dim`` set): ``NotImplementedError``."""
+    if add_loops and edge_dim is not None and isinstance(edge_index, SparseTensor):
+        raise NotImplementedError("The usage of 'edge_attr' and 'add_self_loops' simultaneously is currently not "
+                                  "yet supported for 'edge_index' in a 'SparseTensor' form")
     sparse = isinstance(edge_index, SparseTensor) or is_torch_sparse_tensor(edge_index)
     num_dst: Optional[int] = None
     if sparse:

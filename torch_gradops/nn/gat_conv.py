@@ -59,7 +59,7 @@ class GATConv(PyGGATConv):
         alpha_src, alpha_dst = self._node_logits(x_src, x_in_src, x_in_dst)
         num_dst, num_loops = propagate_sizes(edge_index, x_src.size(0),
                                              None if x_in_dst is None else x_in_dst.size(0), size,
-                                             self.add_self_loops)
+                                             self.add_self_loops, self.edge_dim)
         graph = csc_graph(edge_index, x_src.size(0), num_dst, num_loops)
         edge_logits = self._edge_logits(edge_attr, edge_index, num_loops)
         out, alpha = self._attend(x_src, alpha_src, alpha_dst, edge_logits, graph, num_dst,
