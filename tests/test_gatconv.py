@@ -18,86 +18,15 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
+from pyg_helpers import ATOL, close, make_pair, random_graph, run_both  # noqa: E402,F401
 
-ATOL = RTOL = 1e-5
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def close(a, b, atol=ATOL, rtol=RTOL, msg=""):
-    torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=lambda m: f"{msg}: {m}")
-
-
 def pair(in_channels, out_channels, seed=0, **kw):
-    """PyG's layer and ours, built from the same seed (so with equal parameters)."""
-    torch.manual_seed(seed)
-    theirs = PyGGATConv(in_channels, out_channels, **kw)
-    torch.manual_seed(seed)
-    ours = GATConv(in_channels, out_channels, **kw)
-    for (n1, p1), (n2, p2) in zip(theirs.named_parameters(), ours.named_parameters()):
-        assert n1 == n2, n1
-        if not isinstance(p1, torch.nn.parameter.UninitializedParameter):
-            assert torch.equal(p1, p2), n1
-    return theirs, ours
-
-
-def random_graph(num_src, num_dst, num_edges, seed=0, loops=True, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    ei = torch.stack([torch.randint(0, num_src, (num_edges,), generator=g),
-                      torch.randint(0, num_dst, (num_edges,), generator=g)])
-    if loops and num_edges >= 4:  # make sure there are self-loops (and a duplicate) to remove
-        k = min(num_src, num_dst)
-        ei[:, :3] = torch.tensor([[0, 1, 1], [0, 1, 1]]) % max(k, 1)
-    return ei.to(device)
-
-
-def run_both(theirs, ours, x, edge_index, edge_attr=None, size=None, attention=True, seed=1,
-             check_grads=True, atol=ATOL):
-    """Forward both layers (+ attention), backprop a random weighting, compare everything."""
-    def leaf(t):
-        return None if t is None else t.detach().clone().requires_grad_(t.is_floating_point())
-
-    results = []
-    for layer in (theirs, ours):
-        xs = tuple(leaf(t) for t in x) if isinstance(x, tuple) else leaf(x)
-        ea = leaf(edge_attr)
-        kwargs = dict(edge_attr=ea, size=size)
-        if attention:
-            kwargs["return_attention_weights"] = True
-        res = layer(xs, edge_index, **kwargs)
-        out, att = res if attention else (res, None)
-        torch.manual_seed(seed)
-        loss = (out * torch.randn_like(out)).sum()
-        if att is not None:
-            alpha = att[1] if isinstance(att, tuple) else att
-            loss = loss + (alpha * torch.randn_like(alpha)).sum()
-        inputs = [t for t in (xs if isinstance(xs, tuple) else (xs,)) if t is not None]
-        if ea is not None:
-            inputs.append(ea)
-        params = [p for p in layer.parameters()]
-        grads = torch.autograd.grad(loss, inputs + params, allow_unused=True) if check_grads and loss.requires_grad else None
-        results.append((out, att, grads))
-    (o1, a1, g1), (o2, a2, g2) = results
-    assert o1.shape == o2.shape and o1.dtype == o2.dtype
-    close(o2, o1, atol=atol, msg="output")
-    if attention:
-        assert type(a1) is type(a2)
-        ei1, al1 = a1
-        ei2, al2 = a2
-        assert type(ei1) is type(ei2)
-        if isinstance(ei1, torch.Tensor) and ei1.layout != torch.strided:
-            assert ei1.layout == ei2.layout
-            close(ei2.to_dense(), ei1.to_dense(), atol=atol, msg="attention adjacency")
-        else:
-            assert torch.equal(torch.as_tensor(ei1), torch.as_tensor(ei2)), "returned edge_index differs"
-        close(al2, al1, atol=atol, msg="attention")
-    if g1 is not None:
-        for i, (a, b) in enumerate(zip(g1, g2)):
-            if a is None or b is None:
-                assert (a is None or not a.abs().any()) and (b is None or not b.abs().any()), f"grad {i}"
-                continue
-            close(b, a, atol=atol, msg=f"gradient {i}")
-    return o2
+    """PyG's GATConv and ours with equal parameters."""
+    return make_pair(PyGGATConv, GATConv, in_channels, out_channels, seed=seed, **kw)
 
 
 # ------------------------------------------------------------------------------ equality

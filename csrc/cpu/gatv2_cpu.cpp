@@ -1,0 +1,526 @@
+// CPU kernels for the fused GATv2 ops (schemas and the math in ../gatv2.h, ../gatv2.cpp).
+//
+// Forward: one pass per destination over its incoming edges, all heads at once, with an online
+// softmax. Per edge: z = x_src[j] + x_dst[i] + ep (ep projected in registers from the edge's
+// K features, never stored), leaky_relu, per-head scores, exps of all heads in one vectorised
+// call, and the weighted row added to the accumulator. Saves only the log-sum-exp.
+//
+// Backward, without atomics and in a fixed order (bitwise reproducible for any thread count),
+// recomputing z wherever it is needed:
+//   pass 1, per destination, in fixed destination chunks (edge-balanced, chosen from the graph
+//           and the shapes only): D = <g_i, out_i> (+ sum A*grad_alpha), then per edge alpha,
+//           dalpha = keep*(<g_i, x_src[j]> + grad_alpha), ds = alpha*(dalpha - D),
+//           dz = ds*att*leaky_relu'(z): grad x_dst (sum of dz), grad edge_attr (dz W^T), and
+//           per-chunk partial sums of grad att (ds*leaky_relu(z)) and grad edge_weight
+//           (edge_attr^T dz); ds and alpha-after-dropout go to [E,H] workspaces;
+//   the partials are summed over the chunks in chunk order;
+//   pass 2, per source over the reverse index: grad x_src = sum of A*g_i + dz (z recomputed).
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "../gatv2.h"
+#include "kernel_utils.h"
+
+namespace torch_gradops {
+namespace {
+
+using cpu::check_ptr_ends;
+using cpu::dot;
+using cpu::exp_inplace;
+using cpu::kPrefetchDistance;
+using cpu::node_grain;
+using cpu::prefetch_row;
+using cpu::sum8;
+
+// Features per register block in the edge projection: the block of z stays in vector registers
+// while the K rows of edge_weight stream past it (one load per multiply-add).
+constexpr int64_t kFeatureBlock = 32;
+
+template <typename acc_t, typename T>
+std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
+  std::vector<acc_t> v;
+  if (!t.defined()) return v;
+  v.resize(t.numel());
+  const T* p = t.data_ptr<T>();
+  for (int64_t k = 0; k < t.numel(); ++k) v[k] = static_cast<acc_t>(p[k]);
+  return v;
+}
+
+// z[f] = src_row[f] + dst_row[f] + ep[f] for f < HC, where ep is the edge's term: its row of
+// already-projected features (kDirect) or sum_k ea_row[k] * w[k, f] (kProject).
+template <typename acc_t, typename TS, typename TD, typename TE>
+inline void edge_preact(acc_t* __restrict__ z, const TS* __restrict__ src_row, const TD* __restrict__ dst_row,
+                        Gatv2EdgeMode mode, const TE* __restrict__ ea_row, const acc_t* __restrict__ w, int64_t K,
+                        int64_t HC) {
+  if (mode == Gatv2EdgeMode::kProject) {
+    int64_t f0 = 0;
+    for (; f0 + kFeatureBlock <= HC; f0 += kFeatureBlock) {
+      acc_t r[kFeatureBlock];
+      for (int64_t l = 0; l < kFeatureBlock; ++l)
+        r[l] = static_cast<acc_t>(src_row[f0 + l]) + static_cast<acc_t>(dst_row[f0 + l]);
+      for (int64_t k = 0; k < K; ++k) {
+        const acc_t a = static_cast<acc_t>(ea_row[k]);
+        const acc_t* wk = w + k * HC + f0;
+        for (int64_t l = 0; l < kFeatureBlock; ++l) r[l] += a * wk[l];
+      }
+      for (int64_t l = 0; l < kFeatureBlock; ++l) z[f0 + l] = r[l];
+    }
+    for (int64_t f = f0; f < HC; ++f) {
+      acc_t r = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
+      for (int64_t k = 0; k < K; ++k) r += static_cast<acc_t>(ea_row[k]) * w[k * HC + f];
+      z[f] = r;
+    }
+    return;
+  }
+  for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
+  if (mode == Gatv2EdgeMode::kDirect) {
+    for (int64_t f = 0; f < HC; ++f) z[f] += static_cast<acc_t>(ea_row[f]);
+  }
+}
+
+// lr = leaky_relu(z) (a select, so that it vectorises) and s[h] = sum_c att[h,c] * lr[h,c]
+// in a fixed order; t is scratch of HC values.
+template <typename acc_t>
+inline void head_scores(const acc_t* __restrict__ z, const acc_t* __restrict__ att, acc_t slope,
+                        acc_t* __restrict__ lr, acc_t* __restrict__ t, acc_t* __restrict__ s, int64_t H, int64_t C) {
+  const int64_t HC = H * C;
+  for (int64_t f = 0; f < HC; ++f) {
+    const acc_t v = z[f];
+    const acc_t l = v > acc_t(0) ? v : v * slope;
+    lr[f] = l;
+    t[f] = att[f] * l;
+  }
+  for (int64_t h = 0; h < H; ++h) s[h] = sum8(t + h * C, C);
+}
+
+// y[k] = <w[k, :], v> for k < K, four rows at a time (independent sums hide the add latency; v
+// is loaded once per four rows). Each y[k] is summed in dot()'s fixed 8-lane order.
+template <typename acc_t>
+inline void matvec_rows(const acc_t* __restrict__ w, const acc_t* __restrict__ v, acc_t* __restrict__ y, int64_t K,
+                        int64_t n) {
+  constexpr int64_t kLanes = 8;
+  auto tree = [](const acc_t* p) {
+    return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+  };
+  int64_t k = 0;
+  for (; k + 4 <= K; k += 4) {
+    acc_t p0[kLanes] = {}, p1[kLanes] = {}, p2[kLanes] = {}, p3[kLanes] = {};
+    const acc_t *w0 = w + k * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
+    int64_t f = 0;
+    for (; f + kLanes <= n; f += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const acc_t x = v[f + l];
+        p0[l] += w0[f + l] * x;
+        p1[l] += w1[f + l] * x;
+        p2[l] += w2[f + l] * x;
+        p3[l] += w3[f + l] * x;
+      }
+    }
+    for (; f < n; ++f) {
+      const acc_t x = v[f];
+      p0[f % kLanes] += w0[f] * x;
+      p1[f % kLanes] += w1[f] * x;
+      p2[f % kLanes] += w2[f] * x;
+      p3[f % kLanes] += w3[f] * x;
+    }
+    y[k] = tree(p0);
+    y[k + 1] = tree(p1);
+    y[k + 2] = tree(p2);
+    y[k + 3] = tree(p3);
+  }
+  for (; k < K; ++k) y[k] = dot<acc_t>(w + k * n, v, n);
+}
+
+// Destination ranges of pass 1, each summed into its own partial of grad att / grad edge_weight,
+// the partials then reduced in range order: so the count and the boundaries must depend only on
+// the graph and the shapes, never on the thread count. Edge-balanced (hubs land in small
+// ranges); at most kMaxChunks ranges and at most kPartialBudget partial values in all.
+template <typename index_t>
+std::vector<int64_t> chunk_bounds(const index_t* ptr, int64_t num_dst, int64_t E, int64_t partial_size) {
+  constexpr int64_t kMaxChunks = 256, kMinEdgesPerChunk = 1024, kPartialBudget = int64_t(1) << 23;
+  int64_t n = std::min<int64_t>(kMaxChunks, std::max<int64_t>(1, E / kMinEdgesPerChunk));
+  n = std::min<int64_t>(n, std::max<int64_t>(1, kPartialBudget / std::max<int64_t>(partial_size, 1)));
+  n = std::max<int64_t>(1, std::min<int64_t>(n, num_dst));
+  std::vector<int64_t> bounds(n + 1);
+  bounds[0] = 0;
+  bounds[n] = num_dst;
+  for (int64_t c = 1; c < n; ++c) {
+    const int64_t target = E / n * c + (E % n) * c / n;  // floor(E * c / n) without overflow
+    const int64_t lb = std::lower_bound(ptr, ptr + num_dst + 1, target,
+                                        [](index_t p, int64_t t) { return static_cast<int64_t>(p) < t; }) -
+                       ptr;
+    bounds[c] = std::min<int64_t>(num_dst, std::max<int64_t>(bounds[c - 1], lb));
+  }
+  return bounds;
+}
+
+template <typename scalar_t, typename index_t>
+void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dropout_scale, at::Tensor& out,
+                    at::Tensor& lse, at::Tensor* alpha) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t num_src = a.x_src.size(0), H = a.x_src.size(1), C = a.x_src.size(2), HC = H * C;
+  const int64_t num_dst = a.x_dst.size(0), E = a.indices.numel(), K = a.edge_dim;
+  const Gatv2EdgeMode mode = a.edge_mode;
+  const scalar_t* xs = a.x_src.data_ptr<scalar_t>();
+  const scalar_t* xd = a.x_dst.data_ptr<scalar_t>();
+  const scalar_t* ea = a.edge_attr.defined() ? a.edge_attr.data_ptr<scalar_t>() : nullptr;
+  const int64_t ea_stride = mode == Gatv2EdgeMode::kProject ? K : HC;
+  const bool* mk = a.dropout_mask.defined() ? a.dropout_mask.data_ptr<bool>() : nullptr;
+  const index_t* ptr = a.indptr.data_ptr<index_t>();
+  const index_t* idx = a.indices.data_ptr<index_t>();
+  scalar_t* o = out.data_ptr<scalar_t>();
+  acc_t* lse_p = lse.data_ptr<acc_t>();
+  scalar_t* al = alpha ? alpha->data_ptr<scalar_t>() : nullptr;
+  const std::vector<acc_t> att_v = to_acc_vector<acc_t, scalar_t>(a.att);
+  const std::vector<acc_t> w_v = to_acc_vector<acc_t, scalar_t>(a.edge_weight);
+  const acc_t* att = att_v.data();
+  const acc_t* w = w_v.data();
+  const acc_t slope = static_cast<acc_t>(negative_slope);
+  const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  check_ptr_ends(ptr, num_dst, E, "indptr");
+
+  // Scalars captured by value: through the lambda's references GCC does not vectorise the head
+  // loops (it cannot tell the stores from them).
+  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC * (2 + K)),
+                   [&, slope, keep_scale, neg_inf, H, C, HC, K, mode](int64_t begin, int64_t end) {
+    // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
+    std::vector<acc_t> acc(HC), xdi(HC), z(HC), lr(HC), t(HC), run_max(H), run_sum(H), score(H), ex(2 * H);
+    acc_t* rescale = ex.data();
+    acc_t* weight = ex.data() + H;
+    for (int64_t i = begin; i < end; ++i) {
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      std::fill(run_max.begin(), run_max.end(), neg_inf);
+      std::fill(run_sum.begin(), run_sum.end(), acc_t(0));
+      for (int64_t f = 0; f < HC; ++f) xdi[f] = static_cast<acc_t>(xd[i * HC + f]);
+      const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+      TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t j = idx[e];
+        TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
+        if (e + kPrefetchDistance < E) {
+          const int64_t jn = idx[e + kPrefetchDistance];
+          if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
+        }
+        const scalar_t* xj = xs + j * HC;
+        edge_preact(z.data(), xj, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+        head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+        // Online softmax for all heads at once (as in the GAT kernel): new maximum, the old
+        // sums' rescale factor exp(old_max - new_max) and the edge's weight exp(s - new_max).
+        for (int64_t h = 0; h < H; ++h) {
+          const acc_t s = score[h], old = run_max[h];
+          const acc_t m = s > old ? s : old;  // a NaN score is no maximum; exp spreads it
+          rescale[h] = m == old ? acc_t(0) : old - m;  // also -inf - -inf: no NaN
+          weight[h] = s == neg_inf ? acc_t(-1000) : s - m;  // a -inf score weighs 0
+          run_max[h] = m;
+        }
+        exp_inplace(ex.data(), 2 * H);
+        for (int64_t h = 0; h < H; ++h) {  // rare after the first edges: the maximum settles
+          const acc_t r = rescale[h];
+          if (r != acc_t(1)) {
+            acc_t* ah = acc.data() + h * C;
+            for (int64_t c = 0; c < C; ++c) ah[c] *= r;
+          }
+        }
+        for (int64_t h = 0; h < H; ++h) {
+          const acc_t p = weight[h];
+          run_sum[h] = run_sum[h] * rescale[h] + p;
+          const acc_t wgt = mk ? (mk[e * H + h] ? p * keep_scale : acc_t(0)) : p;
+          const scalar_t* xjh = xj + h * C;
+          acc_t* ah = acc.data() + h * C;
+          for (int64_t c = 0; c < C; ++c) ah[c] += wgt * static_cast<acc_t>(xjh[c]);
+        }
+      }
+      const bool empty = e0 == e1;
+      for (int64_t h = 0; h < H; ++h) {
+        const acc_t inv = empty ? acc_t(0) : acc_t(1) / run_sum[h];
+        scalar_t* oi = o + i * HC + h * C;
+        const acc_t* ah = acc.data() + h * C;
+        for (int64_t c = 0; c < C; ++c) oi[c] = static_cast<scalar_t>(ah[c] * inv);
+        lse_p[i * H + h] = empty ? neg_inf : run_max[h] + std::log(run_sum[h]);
+      }
+      if (al) {
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t j = idx[e];
+          edge_preact(z.data(), xs + j * HC, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+          head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+          for (int64_t h = 0; h < H; ++h) weight[h] = score[h] - lse_p[i * H + h];
+          exp_inplace(weight, H);
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t p = weight[h];
+            if (mk) p = mk[e * H + h] ? p * keep_scale : acc_t(0);
+            al[e * H + h] = static_cast<scalar_t>(p);
+          }
+        }
+      }
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cpu(
+    const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att, const c10::optional<at::Tensor>& edge_attr,
+    const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr, const at::Tensor& indices,
+    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale, bool return_alpha) {
+  const auto a = prepare_gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
+                                       dropout_scale);
+  at::Tensor out, lse, alpha;
+  std::tie(out, lse, alpha) = allocate_gatv2_outputs(a, return_alpha);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gatv2_forward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gatv2_forward_cpu_index", [&] {
+      forward_kernel<scalar_t, index_t>(a, negative_slope, dropout_scale, out, lse, return_alpha ? &alpha : nullptr);
+    });
+  });
+  return {out, lse, alpha};
+}
+
+template <typename scalar_t, typename index_t>
+void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double dropout_scale, at::Tensor& gxs_t,
+                     at::Tensor& gxd_t, at::Tensor& gatt_t, at::Tensor& gea_t, at::Tensor& gw_t) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const Gatv2ForwardArgs& a = b.fwd;
+  const int64_t num_src = a.x_src.size(0), H = a.x_src.size(1), C = a.x_src.size(2), HC = H * C;
+  const int64_t num_dst = a.x_dst.size(0), E = a.indices.numel(), K = a.edge_dim;
+  const Gatv2EdgeMode mode = a.edge_mode;
+  const bool want_xs = b.want_x_src, want_xd = b.want_x_dst, want_att = b.want_att;
+  const bool want_ea = b.want_edge_attr, want_w = b.want_edge_weight;
+  const bool need_dz = want_xd || want_ea || want_w;
+  const scalar_t* g = b.grad_out.data_ptr<scalar_t>();
+  const scalar_t* ga = b.grad_alpha.defined() ? b.grad_alpha.data_ptr<scalar_t>() : nullptr;
+  const scalar_t* o = b.out.data_ptr<scalar_t>();
+  const acc_t* lse_p = b.lse.data_ptr<acc_t>();
+  const scalar_t* xs = a.x_src.data_ptr<scalar_t>();
+  const scalar_t* xd = a.x_dst.data_ptr<scalar_t>();
+  const scalar_t* ea = a.edge_attr.defined() ? a.edge_attr.data_ptr<scalar_t>() : nullptr;
+  const int64_t ea_stride = mode == Gatv2EdgeMode::kProject ? K : HC;
+  const bool* mk = a.dropout_mask.defined() ? a.dropout_mask.data_ptr<bool>() : nullptr;
+  const index_t* ptr = a.indptr.data_ptr<index_t>();
+  const index_t* idx = a.indices.data_ptr<index_t>();
+  const std::vector<acc_t> att_v = to_acc_vector<acc_t, scalar_t>(a.att);
+  const std::vector<acc_t> w_v = to_acc_vector<acc_t, scalar_t>(a.edge_weight);
+  const acc_t* att = att_v.data();
+  const acc_t* w = w_v.data();
+  const acc_t slope = static_cast<acc_t>(negative_slope);
+  const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
+  const auto acc_opts = a.x_src.options().dtype(c10::CppTypeToScalarType<acc_t>::value);
+  check_ptr_ends(ptr, num_dst, E, "indptr");
+  check_ptr_ends(b.rev_indptr.data_ptr<index_t>(), num_src, E, "rev_indptr");
+
+  // [E,H] workspaces for pass 2: ds and alpha after dropout.
+  at::Tensor ds_t = want_xs ? at::empty({E, H}, acc_opts) : at::Tensor();
+  at::Tensor aw_t = want_xs ? at::empty({E, H}, acc_opts) : at::Tensor();
+  acc_t* ds_ws = want_xs ? ds_t.data_ptr<acc_t>() : nullptr;
+  acc_t* aw_ws = want_xs ? aw_t.data_ptr<acc_t>() : nullptr;
+  scalar_t* gxd = want_xd ? gxd_t.data_ptr<scalar_t>() : nullptr;
+  scalar_t* gea = want_ea ? gea_t.data_ptr<scalar_t>() : nullptr;
+  const int64_t att_part = want_att ? HC : 0;
+  const int64_t partial_size = att_part + (want_w ? K * HC : 0);
+  const std::vector<int64_t> bounds = chunk_bounds(ptr, num_dst, E, partial_size);
+  const int64_t n_chunks = static_cast<int64_t>(bounds.size()) - 1;
+  at::Tensor partial_t = partial_size ? at::zeros({n_chunks, partial_size}, acc_opts) : at::Tensor();
+  acc_t* partial = partial_size ? partial_t.data_ptr<acc_t>() : nullptr;
+
+  // Pass 1, per destination in fixed chunks (one task per chunk: its partial is its own).
+  at::parallel_for(0, n_chunks, 1, [&, slope, keep_scale, H, C, HC, K, mode](int64_t cbegin, int64_t cend) {
+    std::vector<acc_t> xdi(HC), z(HC), lr(HC), t(HC), dz(HC), gxd_acc(HC), gea_row(K);
+    std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H);
+    for (int64_t chunk = cbegin; chunk < cend; ++chunk) {
+      acc_t* patt = want_att ? partial + chunk * partial_size : nullptr;
+      acc_t* pw = want_w ? partial + chunk * partial_size + att_part : nullptr;
+      for (int64_t i = bounds[chunk]; i < bounds[chunk + 1]; ++i) {
+        const int64_t e0 = ptr[i], e1 = ptr[i + 1];
+        TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
+        if (e0 == e1) {
+          if (gxd) std::fill(gxd + i * HC, gxd + (i + 1) * HC, scalar_t(0));
+          continue;
+        }
+        for (int64_t f = 0; f < HC; ++f) xdi[f] = static_cast<acc_t>(xd[i * HC + f]);
+        const scalar_t* gi = g + i * HC;
+        const acc_t* lse_i = lse_p + i * H;
+        for (int64_t h = 0; h < H; ++h) D[h] = dot<acc_t>(gi + h * C, o + i * HC + h * C, C);
+        if (ga) {  // attention weights used directly: D gains sum_e A_e * dL/dA_e
+          for (int64_t e = e0; e < e1; ++e) {
+            const int64_t j = idx[e];
+            TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
+            edge_preact(z.data(), xs + j * HC, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+            head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+            for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
+            exp_inplace(alphas.data(), H);
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
+              D[h] += alphas[h] * keep * static_cast<acc_t>(ga[e * H + h]);
+            }
+          }
+        }
+        if (gxd) std::fill(gxd_acc.begin(), gxd_acc.end(), acc_t(0));
+        for (int64_t e = e0; e < e1; ++e) {
+          const int64_t j = idx[e];
+          TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
+          if (e + kPrefetchDistance < E) {
+            const int64_t jn = idx[e + kPrefetchDistance];
+            if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
+          }
+          const scalar_t* xj = xs + j * HC;
+          const scalar_t* ea_e = ea ? ea + e * ea_stride : ea;
+          edge_preact(z.data(), xj, xdi.data(), mode, ea_e, w, K, HC);
+          head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+          for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
+          exp_inplace(alphas.data(), H);
+          if (mk) {
+            for (int64_t h = 0; h < H; ++h) keeps[h] = mk[e * H + h] ? keep_scale : acc_t(0);
+          } else {
+            for (int64_t h = 0; h < H; ++h) keeps[h] = acc_t(1);
+          }
+          for (int64_t h = 0; h < H; ++h) dots[h] = dot<acc_t>(gi + h * C, xj + h * C, C);
+          for (int64_t h = 0; h < H; ++h) {
+            acc_t dA = dots[h];
+            if (ga) dA += static_cast<acc_t>(ga[e * H + h]);
+            ds[h] = alphas[h] * (dA * keeps[h] - D[h]);
+          }
+          if (ds_ws) {
+            for (int64_t h = 0; h < H; ++h) {
+              ds_ws[e * H + h] = ds[h];
+              aw_ws[e * H + h] = alphas[h] * keeps[h];
+            }
+          }
+          if (patt) {
+            for (int64_t h = 0; h < H; ++h) {
+              const acc_t d = ds[h];
+              acc_t* p = patt + h * C;
+              const acc_t* l = lr.data() + h * C;
+              for (int64_t c = 0; c < C; ++c) p[c] += d * l[c];
+            }
+          }
+          if (!need_dz) continue;
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t d = ds[h];
+            const acc_t* zh = z.data() + h * C;
+            const acc_t* ah = att + h * C;
+            acc_t* dzh = dz.data() + h * C;
+            for (int64_t c = 0; c < C; ++c) dzh[c] = d * ah[c] * (zh[c] > acc_t(0) ? acc_t(1) : slope);
+          }
+          if (gxd) {
+            for (int64_t f = 0; f < HC; ++f) gxd_acc[f] += dz[f];
+          }
+          if (gea) {
+            if (mode == Gatv2EdgeMode::kDirect) {
+              for (int64_t f = 0; f < HC; ++f) gea[e * HC + f] = static_cast<scalar_t>(dz[f]);
+            } else {
+              matvec_rows(w, dz.data(), gea_row.data(), K, HC);
+              for (int64_t k = 0; k < K; ++k) gea[e * K + k] = static_cast<scalar_t>(gea_row[k]);
+            }
+          }
+          if (pw) {
+            for (int64_t k = 0; k < K; ++k) {
+              const acc_t ak = static_cast<acc_t>(ea_e[k]);
+              acc_t* pk = pw + k * HC;
+              for (int64_t f = 0; f < HC; ++f) pk[f] += ak * dz[f];
+            }
+          }
+        }
+        if (gxd) {
+          for (int64_t f = 0; f < HC; ++f) gxd[i * HC + f] = static_cast<scalar_t>(gxd_acc[f]);
+        }
+      }
+    }
+  });
+
+  // The partials, summed over the chunks in chunk order.
+  if (partial) {
+    scalar_t* gatt = want_att ? gatt_t.data_ptr<scalar_t>() : nullptr;
+    scalar_t* gw = want_w ? gw_t.data_ptr<scalar_t>() : nullptr;
+    at::parallel_for(0, partial_size, 2048, [&](int64_t begin, int64_t end) {
+      for (int64_t f = begin; f < end; ++f) {
+        acc_t s = 0;
+        for (int64_t c = 0; c < n_chunks; ++c) s += partial[c * partial_size + f];
+        if (f < att_part) {
+          gatt[f] = static_cast<scalar_t>(s);
+        } else {
+          gw[f - att_part] = static_cast<scalar_t>(s);
+        }
+      }
+    });
+  }
+
+  // Pass 2, per source over the reverse index: grad x_src = sum over its edges of A*g_i + dz,
+  // with z recomputed (x_dst[i] and the edge term) and ds, A from the workspaces.
+  if (want_xs) {
+    scalar_t* gxs = gxs_t.data_ptr<scalar_t>();
+    const index_t* rptr = b.rev_indptr.data_ptr<index_t>();
+    const index_t* redge = b.rev_edge.data_ptr<index_t>();
+    const index_t* rdst = b.rev_dst.data_ptr<index_t>();
+    at::parallel_for(0, num_src, node_grain(num_src, E, HC * (2 + K)),
+                     [&, slope, H, C, HC, K, mode](int64_t begin, int64_t end) {
+      std::vector<acc_t> accx(HC), z(HC);
+      for (int64_t j = begin; j < end; ++j) {
+        std::fill(accx.begin(), accx.end(), acc_t(0));
+        const scalar_t* xj = xs + j * HC;
+        const int64_t k0 = rptr[j], k1 = rptr[j + 1];
+        TORCH_CHECK(k0 <= k1 && k0 >= 0 && k1 <= E, "rev_indptr must be non-decreasing and within [0, E]");
+        for (int64_t k = k0; k < k1; ++k) {
+          const int64_t e = redge[k], i = rdst[k];
+          TORCH_CHECK(e >= 0 && e < E && i >= 0 && i < num_dst, "reverse index entry out of range");
+          if (k + kPrefetchDistance < E) {
+            const int64_t in = rdst[k + kPrefetchDistance], en = redge[k + kPrefetchDistance];
+            if (in >= 0 && in < num_dst) {
+              prefetch_row(g + in * HC, HC);
+              prefetch_row(xd + in * HC, HC);
+            }
+            if (en >= 0 && en < E) {
+              __builtin_prefetch(ds_ws + en * H);
+              __builtin_prefetch(aw_ws + en * H);
+              if (ea) prefetch_row(ea + en * ea_stride, ea_stride);
+            }
+          }
+          edge_preact(z.data(), xj, xd + i * HC, mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+          const scalar_t* gi = g + i * HC;
+          for (int64_t h = 0; h < H; ++h) {
+            const acc_t aw = aw_ws[e * H + h], d = ds_ws[e * H + h];
+            const acc_t* zh = z.data() + h * C;
+            const acc_t* ah = att + h * C;
+            const scalar_t* gih = gi + h * C;
+            acc_t* xh = accx.data() + h * C;
+            for (int64_t c = 0; c < C; ++c)
+              xh[c] += aw * static_cast<acc_t>(gih[c]) + d * ah[c] * (zh[c] > acc_t(0) ? acc_t(1) : slope);
+          }
+        }
+        for (int64_t f = 0; f < HC; ++f) gxs[j * HC + f] = static_cast<scalar_t>(accx[f]);
+      }
+    });
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_backward_cpu(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_alpha, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att,
+    const c10::optional<at::Tensor>& edge_attr, const c10::optional<at::Tensor>& edge_weight,
+    const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
+    const at::Tensor& rev_dst, const c10::optional<at::Tensor>& dropout_mask, double negative_slope,
+    double dropout_scale, std::array<bool, 5> output_mask) {
+  const auto b = prepare_gatv2_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight,
+                                        indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, dropout_scale,
+                                        output_mask);
+  at::Tensor gxs, gxd, gatt, gea, gw;
+  std::tie(gxs, gxd, gatt, gea, gw) = allocate_gatv2_gradients(b);
+  if (!b.any()) return {gxs, gxd, gatt, gea, gw};
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, b.fwd.x_src.scalar_type(), "gatv2_backward_cpu", [&] {
+    AT_DISPATCH_INDEX_TYPES(b.fwd.indices.scalar_type(), "gatv2_backward_cpu_index", [&] {
+      backward_kernel<scalar_t, index_t>(b, negative_slope, dropout_scale, gxs, gxd, gatt, gea, gw);
+    });
+  });
+  return {gxs, gxd, gatt, gea, gw};
+}
+
+}  // namespace
+}  // namespace torch_gradops
+
+TORCH_LIBRARY_IMPL(torch_gradops, CPU, m) {
+  m.impl("gatv2_forward", &torch_gradops::gatv2_forward_cpu);
+  m.impl("gatv2_backward", &torch_gradops::gatv2_backward_cpu);
+}

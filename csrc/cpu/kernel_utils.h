@@ -1,0 +1,101 @@
+// Helpers for the CPU graph-attention kernels: row prefetch, fixed-order vector reductions,
+// a vectorisable float exp, CSC pointer checks and the parallel grain. (gat_cpu.cpp has its own
+// copies from before this header; they are the same algorithms.)
+#pragma once
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+namespace torch_gradops {
+namespace cpu {
+
+// Gathered rows are random: prefetch the row this many edges ahead so that its cache misses
+// overlap with the current edge's arithmetic (the row gathers dominate at scale).
+constexpr int64_t kPrefetchDistance = 4;
+
+template <typename T>
+inline void prefetch_row(const T* row, int64_t n) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
+}
+
+// <a, b> over n values in 8 interleaved partial sums combined in a fixed tree: the compiler keeps
+// them in one vector register (a single running sum is a chain of dependent scalar adds), and the
+// order depends only on n, so results are reproducible.
+template <typename acc_t, typename TA, typename TB>
+inline acc_t dot(const TA* a, const TB* b, int64_t n) {
+  constexpr int64_t kLanes = 8;
+  acc_t part[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += static_cast<acc_t>(a[c + l]) * static_cast<acc_t>(b[c + l]);
+  }
+  for (; c < n; ++c) part[c % kLanes] += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
+  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+
+// sum of n values, in the same fixed 8-lane pattern as dot().
+template <typename acc_t>
+inline acc_t sum8(const acc_t* a, int64_t n) {
+  constexpr int64_t kLanes = 8;
+  acc_t part[kLanes] = {};
+  int64_t c = 0;
+  for (; c + kLanes <= n; c += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += a[c + l];
+  }
+  for (; c < n; ++c) part[c % kLanes] += a[c];
+  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+}
+
+// A CSC pointer array must start at 0 and end at E: per-node checks of non-decreasing ranges
+// inside [0, E] would still let edges past ptr[n] go unvisited by one pass and visited by another.
+template <typename index_t>
+void check_ptr_ends(const index_t* ptr, int64_t n, int64_t E, const char* name) {
+  TORCH_CHECK(static_cast<int64_t>(ptr[0]) == 0 && static_cast<int64_t>(ptr[n]) == E, name,
+              " must start at 0 and end at E = ", E, " (the number of edges), got ", ptr[0], " and ", ptr[n]);
+}
+
+// Nodes per parallel chunk: enough work per task to amortise scheduling.
+inline int64_t node_grain(int64_t nodes, int64_t edges, int64_t work_per_edge) {
+  const int64_t work_per_node = std::max<int64_t>(1, (edges / std::max<int64_t>(nodes, 1) + 1) * work_per_edge);
+  return std::max<int64_t>(1, 32768 / work_per_node);
+}
+
+// exp of n values in place. float: a branch-free Cody-Waite + degree-6 polynomial (about 1 ulp,
+// the same scheme as Cephes' expf) that the compiler vectorises; libm's scalar expf is far
+// slower. Below -87.3 it gives 0 (no denormals); NaN stays NaN.
+inline void exp_inplace(float* v, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) {
+    const float x = v[k];
+    const float lo = x < -87.3f ? -87.3f : x;  // not fmin/fmax: those are libm calls
+    const float xc = lo > 88.7f ? 88.7f : lo;
+    const float m = std::nearbyint(xc * 1.44269504088896341f);
+    const float r = (xc - m * 0.693359375f) + m * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = (p * r) * r + r + 1.0f;
+    int32_t bits;
+    const int32_t e = (static_cast<int32_t>(m) + 127) << 23;
+    std::memcpy(&bits, &p, sizeof(bits));
+    bits += e - (127 << 23);
+    float y;
+    std::memcpy(&y, &bits, sizeof(y));
+    y = x < -87.3f ? 0.0f : y;
+    y = x > 88.7f ? std::numeric_limits<float>::infinity() : y;
+    v[k] = x != x ? x : y;
+  }
+}
+inline void exp_inplace(double* v, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) v[k] = std::exp(v[k]);
+}
+
+}  // namespace cpu
+}  // namespace torch_gradops

@@ -1,0 +1,179 @@
+// Dispatcher for the fused GATv2 ops: schemas and the argument checks that every backend runs.
+// Kernels: cpu/gatv2_cpu.cpp (CPU) and cuda/gatv2_cuda.cu (CUDA). All per-edge tensors are in
+// CSC order; the Python wrapper (torch_gradops/gatv2.py) maps them from and to edge order.
+#include <torch/library.h>
+
+#include "checks.h"
+#include "gatv2.h"
+
+namespace torch_gradops {
+
+void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att,
+                              const c10::optional<at::Tensor>& edge_attr,
+                              const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr,
+                              const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
+                              double dropout_scale) {
+  check_floating(x_src, "x_src");
+  check_dim(x_src, 3, "x_src");
+  const int64_t heads = x_src.size(1), channels = x_src.size(2);
+  TORCH_CHECK(heads >= 1 && channels >= 1, "x_src must have at least one head and one channel, got shape ",
+              x_src.sizes());
+  check_dim(x_dst, 3, "x_dst");
+  TORCH_CHECK(x_dst.size(1) == heads && x_dst.size(2) == channels, "x_dst must have shape [num_dst, ", heads,
+              ", ", channels, "] (the heads and channels of x_src), got ", x_dst.sizes());
+  check_shape(att, {heads, channels}, "att");
+  for (auto* p : {&x_dst, &att}) {
+    TORCH_CHECK(p->scalar_type() == x_src.scalar_type(), (p == &x_dst ? "x_dst" : "att"),
+                " must have the dtype of x_src (", x_src.scalar_type(), "), got ", p->scalar_type());
+  }
+  check_index(indptr, "indptr");
+  check_index(indices, "indices");
+  TORCH_CHECK(indices.scalar_type() == indptr.scalar_type(), "indices and indptr must share one dtype");
+  TORCH_CHECK(indptr.numel() == x_dst.size(0) + 1, "indptr must have num_dst + 1 = ", x_dst.size(0) + 1,
+              " entries (x_dst.size(0) + 1), got ", indptr.numel());
+  check_same_device(x_src, "x_src", x_dst, "x_dst");
+  check_same_device(x_src, "x_src", att, "att");
+  check_same_device(x_src, "x_src", indptr, "indptr");
+  check_same_device(x_src, "x_src", indices, "indices");
+  const int64_t E = indices.numel();
+  TORCH_CHECK(!edge_weight.has_value() || edge_attr.has_value(), "edge_weight was given without edge_attr");
+  if (edge_attr.has_value()) {
+    const at::Tensor& ea = *edge_attr;
+    TORCH_CHECK(ea.scalar_type() == x_src.scalar_type(), "edge_attr must have the dtype of x_src (",
+                x_src.scalar_type(), "), got ", ea.scalar_type());
+    check_same_device(x_src, "x_src", ea, "edge_attr");
+    if (edge_weight.has_value()) {
+      check_dim(ea, 2, "edge_attr (with edge_weight)");
+      TORCH_CHECK(ea.size(0) == E, "edge_attr must have one row per edge (", E, "), got ", ea.size(0));
+      check_shape(*edge_weight, {ea.size(1), heads, channels}, "edge_weight");
+      TORCH_CHECK(edge_weight->scalar_type() == x_src.scalar_type(), "edge_weight must have the dtype of x_src (",
+                  x_src.scalar_type(), "), got ", edge_weight->scalar_type());
+      check_same_device(x_src, "x_src", *edge_weight, "edge_weight");
+    } else {
+      check_shape(ea, {E, heads, channels}, "edge_attr (already projected, no edge_weight)");
+    }
+  }
+  if (dropout_mask.has_value()) {
+    check_shape(*dropout_mask, {E, heads}, "dropout_mask");
+    TORCH_CHECK(dropout_mask->scalar_type() == at::kBool, "dropout_mask must be a bool tensor, got ",
+                dropout_mask->scalar_type());
+    check_same_device(x_src, "x_src", *dropout_mask, "dropout_mask");
+  }
+  TORCH_CHECK(dropout_scale >= 1.0, "dropout_scale must be 1/(1-p) >= 1, got ", dropout_scale);
+}
+
+namespace {
+at::Tensor contiguous_or_undefined(const c10::optional<at::Tensor>& t) {
+  return t.has_value() ? t->contiguous() : at::Tensor();
+}
+}  // namespace
+
+Gatv2ForwardArgs prepare_gatv2_forward(const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att,
+                                       const c10::optional<at::Tensor>& edge_attr,
+                                       const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr,
+                                       const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
+                                       double dropout_scale) {
+  check_gatv2_forward_args(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
+                           dropout_scale);
+  Gatv2ForwardArgs a{x_src.contiguous(),
+                     x_dst.contiguous(),
+                     att.contiguous(),
+                     contiguous_or_undefined(edge_attr),
+                     contiguous_or_undefined(edge_weight),
+                     indptr.contiguous(),
+                     indices.contiguous(),
+                     contiguous_or_undefined(dropout_mask)};
+  if (a.edge_weight.defined()) {
+    a.edge_mode = Gatv2EdgeMode::kProject;
+    a.edge_dim = a.edge_attr.size(1);
+  } else if (a.edge_attr.defined()) {
+    a.edge_mode = Gatv2EdgeMode::kDirect;
+  }
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gatv2_outputs(const Gatv2ForwardArgs& a, bool return_alpha) {
+  const int64_t num_dst = a.x_dst.size(0), H = a.x_src.size(1), C = a.x_src.size(2);
+  const auto opts = a.x_src.options();
+  return {at::empty({num_dst, H, C}, opts),
+          at::empty({num_dst, H}, opts.dtype(gat_acc_type(a.x_src.scalar_type()))),
+          at::empty({return_alpha ? a.indices.numel() : 0, H}, opts)};
+}
+
+Gatv2BackwardArgs prepare_gatv2_backward(
+    const at::Tensor& grad_out, const c10::optional<at::Tensor>& grad_alpha, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att,
+    const c10::optional<at::Tensor>& edge_attr, const c10::optional<at::Tensor>& edge_weight,
+    const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
+    const at::Tensor& rev_dst, const c10::optional<at::Tensor>& dropout_mask, double dropout_scale,
+    std::array<bool, 5> output_mask) {
+  Gatv2BackwardArgs a;
+  a.fwd = prepare_gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
+                                dropout_scale);
+  const int64_t num_dst = x_dst.size(0), heads = x_src.size(1), channels = x_src.size(2);
+  check_shape(grad_out, {num_dst, heads, channels}, "grad_out");
+  check_shape(out, {num_dst, heads, channels}, "out");
+  check_shape(lse, {num_dst, heads}, "lse");
+  TORCH_CHECK(grad_out.scalar_type() == x_src.scalar_type(), "grad_out must have the dtype of x_src");
+  TORCH_CHECK(out.scalar_type() == x_src.scalar_type(), "out must have the dtype of x_src");
+  TORCH_CHECK(lse.scalar_type() == gat_acc_type(x_src.scalar_type()), "lse must be ",
+              gat_acc_type(x_src.scalar_type()), ", got ", lse.scalar_type());
+  if (grad_alpha.has_value()) {
+    check_shape(*grad_alpha, {indices.numel(), heads}, "grad_alpha");
+    TORCH_CHECK(grad_alpha->scalar_type() == x_src.scalar_type(), "grad_alpha must have the dtype of x_src");
+    check_same_device(x_src, "x_src", *grad_alpha, "grad_alpha");
+  }
+  check_index(rev_indptr, "rev_indptr");
+  check_index(rev_edge, "rev_edge");
+  check_index(rev_dst, "rev_dst");
+  TORCH_CHECK(rev_indptr.numel() == x_src.size(0) + 1, "rev_indptr must have num_src + 1 entries");
+  TORCH_CHECK(rev_edge.numel() == indices.numel() && rev_dst.numel() == indices.numel(),
+              "rev_edge and rev_dst must have one entry per edge");
+  for (auto* p : {&rev_indptr, &rev_edge, &rev_dst}) {
+    TORCH_CHECK(p->scalar_type() == indices.scalar_type(), "the reverse index must have the dtype of indices");
+    check_same_device(x_src, "x_src", *p, "reverse index");
+  }
+  check_same_device(x_src, "x_src", grad_out, "grad_out");
+  check_same_device(x_src, "x_src", out, "out");
+  check_same_device(x_src, "x_src", lse, "lse");
+  a.grad_out = grad_out.contiguous();
+  a.grad_alpha = contiguous_or_undefined(grad_alpha);
+  a.out = out.contiguous();
+  a.lse = lse.contiguous();
+  a.rev_indptr = rev_indptr.contiguous();
+  a.rev_edge = rev_edge.contiguous();
+  a.rev_dst = rev_dst.contiguous();
+  a.want_x_src = output_mask[0];
+  a.want_x_dst = output_mask[1];
+  a.want_att = output_mask[2];
+  a.want_edge_attr = output_mask[3] && a.fwd.edge_mode != Gatv2EdgeMode::kNone;
+  a.want_edge_weight = output_mask[4] && a.fwd.edge_mode == Gatv2EdgeMode::kProject;
+  return a;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_gatv2_gradients(
+    const Gatv2BackwardArgs& a) {
+  const auto& f = a.fwd;
+  auto empty = [&] { return f.x_src.new_empty({0}); };
+  return {a.want_x_src ? at::empty_like(f.x_src) : empty(), a.want_x_dst ? at::empty_like(f.x_dst) : empty(),
+          a.want_att ? at::empty_like(f.att) : empty(), a.want_edge_attr ? at::empty_like(f.edge_attr) : empty(),
+          a.want_edge_weight ? at::empty_like(f.edge_weight) : empty()};
+}
+
+}  // namespace torch_gradops
+
+TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
+  // out [num_dst,H,C], lse [num_dst,H] (float32 for half types), alpha [E,H] if return_alpha else [0,H].
+  // edge_attr is [E,K] with edge_weight [K,H,C], or [E,H,C] (already projected) without it.
+  m.def(
+      "gatv2_forward(Tensor x_src, Tensor x_dst, Tensor att, Tensor? edge_attr, Tensor? edge_weight, "
+      "Tensor indptr, Tensor indices, Tensor? dropout_mask, float negative_slope, float dropout_scale, "
+      "bool return_alpha) -> (Tensor, Tensor, Tensor)");
+  // Gradients of x_src, x_dst, att, edge_attr (CSC order), edge_weight; an entry whose
+  // output_mask is false (or whose input is absent) comes back as an empty tensor and costs no work.
+  m.def(
+      "gatv2_backward(Tensor grad_out, Tensor? grad_alpha, Tensor out, Tensor lse, Tensor x_src, "
+      "Tensor x_dst, Tensor att, Tensor? edge_attr, Tensor? edge_weight, Tensor indptr, Tensor indices, "
+      "Tensor rev_indptr, Tensor rev_edge, Tensor rev_dst, Tensor? dropout_mask, float negative_slope, "
+      "float dropout_scale, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+}

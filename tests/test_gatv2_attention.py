@@ -1,0 +1,595 @@
+"""The fused GATv2 op against the plain-PyTorch reference and PyG's GATv2Conv: values, gradients
+of all five inputs, autograd, determinism, registration and errors."""
+import math
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+from torch.func import jvp
+
+import torch_gradops as tg
+from conftest import DEVICES
+from gatv2_reference import gatv2_reference
+
+TOL = {  # (atol, rtol) against the float64 reference on the same (rounded) inputs
+    torch.float64: (1e-10, 1e-9),
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (1e-2, 1e-2),
+    torch.bfloat16: (6e-2, 5e-2),
+}
+EDGE_MODES = ["none", "project", "direct"]
+
+
+def make_graph(kind, index_dtype=torch.int64, device="cpu", seed=0):
+    """Edge index [2, E] and node counts for the graph shapes the op must handle."""
+    g = torch.Generator().manual_seed(seed)
+    if kind == "random":
+        ns, nd, e = 23, 17, 90
+        ei = torch.stack([torch.randint(0, ns, (e,), generator=g), torch.randint(0, nd, (e,), generator=g)])
+    elif kind == "zero_in_degree":  # destinations 0..4 get no edge, sources 10.. are isolated
+        ns, nd, e = 20, 15, 60
+        ei = torch.stack([torch.randint(0, 10, (e,), generator=g), torch.randint(5, nd, (e,), generator=g)])
+    elif kind == "duplicates_selfloops":
+        ns = nd = 12
+        base = torch.stack([torch.randint(0, ns, (30,), generator=g), torch.randint(0, nd, (30,), generator=g)])
+        loops = torch.arange(ns).repeat(2, 1)
+        ei = torch.cat([base, base[:, :10], loops], 1)
+    elif kind == "sorted":  # already in CSC order: no permutation kept
+        ns, nd, e = 16, 16, 70
+        ei = torch.stack([torch.randint(0, ns, (e,), generator=g), torch.randint(0, nd, (e,), generator=g)])
+        ei = ei[:, torch.argsort(ei[1], stable=True)]
+    elif kind == "single_node":
+        ns = nd = 1
+        ei = torch.zeros(2, 1, dtype=torch.long)
+    elif kind == "no_edges":
+        ns, nd = 5, 4
+        ei = torch.zeros(2, 0, dtype=torch.long)
+    elif kind == "skewed":  # one hub destination with many edges, many light ones
+        ns, nd = 50, 30
+        hub = torch.stack([torch.arange(ns), torch.zeros(ns, dtype=torch.long)])
+        rest = torch.stack([torch.randint(0, ns, (40,), generator=g), torch.randint(1, nd, (40,), generator=g)])
+        ei = torch.cat([rest, hub], 1)
+    else:
+        raise ValueError(kind)
+    return ei.to(index_dtype).to(device), ns, nd
+
+
+GRAPHS = ["random", "zero_in_degree", "duplicates_selfloops", "sorted", "single_node", "no_edges", "skewed"]
+
+
+def make_inputs(ns, nd, e, heads, channels, dtype, device, seed=1, edge_mode="project", edge_dim=3):
+    """``[x_src, x_dst, att, edge_attr, edge_weight]`` (the last two None as the mode says).
+
+    att and edge_weight are scaled like a glorot init so that scores are O(1)."""
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    x_src, x_dst = rnd(ns, heads, channels), rnd(nd, heads, channels)
+    att = rnd(heads, channels) / math.sqrt(channels)
+    ea = w = None
+    if edge_mode == "project":
+        ea, w = rnd(e, edge_dim), rnd(edge_dim, heads, channels) / math.sqrt(edge_dim)
+    elif edge_mode == "direct":
+        ea = rnd(e, heads, channels)
+    cast = lambda t: None if t is None else t.to(device=device, dtype=dtype).requires_grad_()
+    return [cast(t) for t in (x_src, x_dst, att, ea, w)]
+
+
+def call(inputs, graph, **kw):
+    x_src, x_dst, att, ea, w = inputs
+    return tg.gatv2_attention(x_src, x_dst, att, graph, kw.pop("negative_slope", 0.2), edge_attr=ea,
+                              edge_weight=w, **kw)
+
+
+def reference(inputs, ei, nd, **kw):
+    x_src, x_dst, att, ea, w = inputs
+    return gatv2_reference(x_src, x_dst, att, ei, nd, 0.2, ea, w, **kw)
+
+
+def grads_of(outputs, inputs, grad_outputs):
+    inputs = [t for t in inputs if t is not None]
+    return torch.autograd.grad(outputs, inputs, grad_outputs, allow_unused=True, retain_graph=True)
+
+
+def assert_grads_close(ours, theirs, **tol):
+    for a, b in zip(ours, theirs):
+        b = torch.zeros_like(a) if b is None else b
+        a = torch.zeros_like(b) if a is None else a
+        torch.testing.assert_close(a.double(), b.double(), **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edge_mode", EDGE_MODES)
+@pytest.mark.parametrize("kind", GRAPHS)
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_matches_reference_float64(kind, index_dtype, edge_mode, device):
+    ei, ns, nd = make_graph(kind, index_dtype, device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 3, 5, torch.float64, device, edge_mode=edge_mode)
+    out, alpha = call(inputs, graph, return_attention=True)
+    ref, ref_alpha = reference(inputs, ei, nd)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(alpha, ref_alpha, atol=1e-12, rtol=1e-10)
+    if kind == "zero_in_degree":
+        assert torch.equal(out[:5], torch.zeros_like(out[:5]))
+    go = torch.randn_like(out)
+    ga = torch.randn_like(alpha)
+    ours = grads_of((out, alpha), inputs, (go, ga))
+    theirs = grads_of((ref, ref_alpha), inputs, (go, ga))
+    assert_grads_close(ours, theirs, atol=1e-11, rtol=1e-9)
+    # without an attention gradient (the common case: D from <g, out> alone)
+    out = call(inputs, graph)
+    assert_grads_close(grads_of(out, inputs, go), grads_of(ref, inputs, go), atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("edge_dim", [1, 4, 16])
+@pytest.mark.parametrize("bipartite", [False, True])
+def test_matches_pyg_gatv2conv(edge_dim, bipartite):
+    """The op between GATv2Conv's projections and bias gives PyG's outputs, attention weights and
+    parameter gradients (PyG's own math: lin_l/lin_r/lin_edge, att, scatter softmax)."""
+    from torch_geometric.nn import GATv2Conv
+
+    torch.manual_seed(0)
+    heads, channels, n_src, n_dst, e = 4, 8, 40, 30 if bipartite else 40, 300
+    ei = torch.stack([torch.randint(0, n_src, (e,)), torch.randint(0, n_dst, (e,))])
+    x_s = torch.randn(n_src, 12, dtype=torch.float64)
+    x_d = torch.randn(n_dst, 12, dtype=torch.float64) if bipartite else x_s
+    edge_attr = torch.randn(e, edge_dim, dtype=torch.float64)
+    conv = GATv2Conv(12, channels, heads=heads, edge_dim=edge_dim, add_self_loops=False, bias=False).double()
+    x_arg = (x_s, x_d) if bipartite else x_s
+    ref, (ref_ei, ref_alpha) = conv(x_arg, ei, edge_attr, return_attention_weights=True)
+    assert torch.equal(ref_ei, ei)
+
+    graph = tg.BipartiteCSC.from_edge_index(ei, n_src, n_dst)
+    w = conv.lin_edge.weight.t().reshape(edge_dim, heads, channels)
+    out, alpha = tg.gatv2_attention(conv.lin_l(x_s).view(-1, heads, channels),
+                                    conv.lin_r(x_d).view(-1, heads, channels), conv.att.view(heads, channels),
+                                    graph, conv.negative_slope, edge_attr, w, return_attention=True)
+    out = out.reshape(n_dst, heads * channels)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-10)
+    torch.testing.assert_close(alpha, ref_alpha, atol=1e-12, rtol=1e-10)
+    params = list(conv.parameters())
+    go = torch.randn_like(out)
+    ga = torch.randn_like(alpha)
+    ours = torch.autograd.grad((out, alpha), params, (go, ga))
+    theirs = torch.autograd.grad((ref, ref_alpha), params, (go, ga))
+    assert_grads_close(ours, theirs, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,channels,edge_mode", [(1, 1, "project"), (2, 7, "direct"), (8, 32, "project"),
+                                                      (4, 67, "none"), (1, 256, "project")])
+def test_low_precision_against_float64(dtype, heads, channels, edge_mode, device):
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=heads * 1000 + channels)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), heads, channels, dtype, device, edge_mode=edge_mode, edge_dim=5)
+    out, alpha = call(inputs, graph, return_attention=True)
+    assert out.dtype == dtype and alpha.dtype == dtype
+    inputs64 = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    ref, ref_alpha = reference(inputs64, ei, nd)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(alpha.double(), ref_alpha, atol=atol, rtol=rtol)
+    go = torch.randn(out.shape, dtype=torch.float64, device=device)
+    ours = grads_of(out, inputs, go.to(dtype))
+    theirs = grads_of(ref, inputs64, go)
+    for a, b in zip(ours, theirs):
+        assert a.dtype == dtype
+        # sums over many edges (att, edge_weight) carry the output's rounding in absolute terms
+        scale = max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a.double(), b, atol=atol * 4 * scale, rtol=rtol * 4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind,edge_mode", [("random", "project"), ("zero_in_degree", "direct"),
+                                            ("duplicates_selfloops", "project"), ("no_edges", "project"),
+                                            ("skewed", "none")])
+def test_gradcheck_and_gradgradcheck(kind, edge_mode, device):
+    ei, ns, nd = make_graph(kind, torch.int64, device, seed=3)
+    if ei.size(1) > 60:  # keep the numerical Jacobians small
+        ei = ei[:, :60]
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, device, seed=4, edge_mode=edge_mode,
+                         edge_dim=2)
+    present = [t for t in inputs if t is not None]
+
+    def fn(*ts):
+        it = iter(ts)
+        full = [next(it) if t is not None else None for t in inputs]
+        return call(full, graph, return_attention=True)
+
+    assert torch.autograd.gradcheck(fn, present)
+    # Forward AD and double backward run composite E x H x C code: the fast (random projection)
+    # checks keep this test quick; test_gradgradcheck_full_jacobian checks full Jacobians once.
+    assert torch.autograd.gradcheck(fn, present, check_forward_ad=True, check_backward_ad=False,
+                                    fast_mode=True)
+    assert torch.autograd.gradgradcheck(fn, present, fast_mode=True)
+
+
+def test_gradgradcheck_full_jacobian():
+    ei, ns, nd = make_graph("duplicates_selfloops", torch.int64, "cpu", seed=3)
+    ei = ei[:, 25:]  # 25 edges, with duplicates and self-loops
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 2, torch.float64, "cpu", seed=4, edge_dim=2)
+
+    def fn(*ts):
+        return call(list(ts), graph, return_attention=True)
+
+    assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(fn, inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradcheck_with_dropout(device):
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=5)
+    ei = ei[:, :50]
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, device, seed=6, edge_dim=2)
+
+    def fn(*ts):
+        torch.manual_seed(7)  # the same mask on every call
+        return call(list(ts), graph, dropout=0.4, training=True, return_attention=True)
+
+    assert torch.autograd.gradcheck(fn, inputs)
+    assert torch.autograd.gradcheck(fn, inputs, check_forward_ad=True, check_backward_ad=False, fast_mode=True)
+    assert torch.autograd.gradgradcheck(fn, inputs, fast_mode=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_matches_reference_with_the_ops_mask(device):
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=8)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 4, 6, torch.float64, device)
+    p = 0.3
+    out, alpha = call(inputs, graph, dropout=p, training=True, return_attention=True)
+    _, undropped = reference(inputs, ei, nd)
+    keep = alpha != 0
+    assert 0 < keep.sum() < keep.numel()
+    ref, ref_alpha = reference(inputs, ei, nd, keep_mask=keep, keep_scale=1 / (1 - p))
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(alpha, ref_alpha)
+    torch.testing.assert_close(alpha[keep], undropped[keep] / (1 - p))
+    go, ga = torch.randn_like(out), torch.randn_like(alpha)
+    assert_grads_close(grads_of((out, alpha), inputs, (go, ga)), grads_of((ref, ref_alpha), inputs, (go, ga)),
+                       atol=1e-11, rtol=1e-9)
+    # eval mode (training=False) ignores dropout
+    torch.testing.assert_close(call(inputs, graph, dropout=p, training=False), reference(inputs, ei, nd)[0])
+
+
+def test_dropout_rate_and_seed():
+    ns = nd = 200
+    ei = torch.stack([torch.arange(ns).repeat_interleave(50), torch.randint(0, nd, (ns * 50,))])
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 4, 2, torch.float32, "cpu", edge_mode="none")
+    for p in (0.1, 0.6):
+        _, alpha = call(inputs, graph, dropout=p, training=True, return_attention=True)
+        dropped = (alpha == 0).double().mean().item()
+        assert abs(dropped - p) < 5 * math.sqrt(p * (1 - p) / alpha.numel()), (p, dropped)
+    torch.manual_seed(3)
+    a1 = call(inputs, graph, dropout=0.5, training=True)
+    torch.manual_seed(3)
+    a2 = call(inputs, graph, dropout=0.5, training=True)
+    assert torch.equal(a1, a2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edge_mode", ["project", "direct"])
+def test_backward_is_bitwise_deterministic(edge_mode, device):
+    g = torch.Generator().manual_seed(0)
+    n, e = 400, 12000  # hub-heavy sources and several backward chunks: summation order matters
+    src = torch.randint(0, 20, (e,), generator=g)
+    dst = torch.randint(0, n, (e,), generator=g)
+    ei = torch.stack([src, dst]).to(device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, n, n)
+    inputs = make_inputs(n, n, e, 4, 16, torch.float32, device, edge_mode=edge_mode, edge_dim=8)
+    go = torch.randn(n, 4, 16, generator=g).to(device)
+    present = [t for t in inputs if t is not None]
+
+    def run():
+        out = call(inputs, graph)
+        return [out] + list(torch.autograd.grad(out, present, go))
+
+    first = run()
+    threads = torch.get_num_threads()
+    try:
+        for n_threads in (1, 2, threads):  # the CPU result does not depend on the thread count
+            torch.set_num_threads(n_threads)
+            for a, b in zip(first, run()):
+                assert torch.equal(a, b)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_retain_graph_semantics():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 4, torch.float64, "cpu")
+    loss = call(inputs, graph).square().sum()
+    loss.backward(retain_graph=True)
+    first = [t.grad.clone() for t in inputs]
+    loss.backward()  # allowed: retain_graph=True the first time
+    for t, f in zip(inputs, first):
+        torch.testing.assert_close(t.grad, 2 * f)
+    loss = call(inputs, graph).sum()
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time|freed"):
+        loss.backward()
+
+
+def test_subset_inputs_and_allow_unused():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 4, torch.float64, "cpu")
+    x_src, x_dst, att, ea, w = inputs
+    out = call(inputs, graph)
+    go = torch.randn_like(out)
+    ref, _ = reference(inputs, ei, nd)
+    for t in inputs:  # each gradient alone equals the reference's
+        (ours,) = torch.autograd.grad(out, (t,), go, retain_graph=True)
+        torch.testing.assert_close(ours, torch.autograd.grad(ref, (t,), go, retain_graph=True)[0])
+    unused = torch.zeros(3, requires_grad=True)
+    gw, gu = torch.autograd.grad(out, (w, unused), go, allow_unused=True, retain_graph=True)
+    assert gu is None and gw is not None
+    with pytest.raises(RuntimeError, match="not have been used"):
+        torch.autograd.grad(out, (x_src, unused), go, retain_graph=True)
+    # backward(inputs=...) accumulates only into the named leaves
+    out.backward(go, inputs=[att, ea])
+    assert att.grad is not None and ea.grad is not None and x_src.grad is None and w.grad is None
+    # inputs that do not require grad get no gradient
+    x2 = x_src.detach()
+    call([x2, x_dst, att, None, None], graph).sum().backward()
+    assert x2.grad is None and x_dst.grad is not None
+
+
+@pytest.mark.parametrize("with_dropout", [False, True])
+@pytest.mark.parametrize("edge_mode", ["project", "direct"])
+def test_forward_mode_ad_matches_reference(with_dropout, edge_mode):
+    ei, ns, nd = make_graph("duplicates_selfloops")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    primals = [None if t is None else t.detach()
+               for t in make_inputs(ns, nd, ei.size(1), 3, 4, torch.float64, "cpu", edge_mode=edge_mode)]
+    present = [t for t in primals if t is not None]
+    tangents = [torch.randn_like(t) for t in present]
+    kw = dict(dropout=0.3, training=True) if with_dropout else {}
+
+    def full(ts):
+        it = iter(ts)
+        return [next(it) if t is not None else None for t in primals]
+
+    def ours(*ts):
+        torch.manual_seed(11)
+        return call(full(ts), graph, return_attention=True, **kw)
+
+    _, alpha = ours(*present)
+    keep = (alpha != 0) if with_dropout else None
+    scale = 1 / 0.7 if with_dropout else 1.0
+
+    def theirs(*ts):
+        return reference(full(ts), ei, nd, keep_mask=keep, keep_scale=scale)
+
+    (_, t_ours) = jvp(ours, tuple(present), tuple(tangents))
+    (_, t_ref) = jvp(theirs, tuple(present), tuple(tangents))
+    for a, b in zip(t_ours, t_ref):
+        torch.testing.assert_close(a, b)
+    with forward_ad.dual_level():
+        duals = [forward_ad.make_dual(p, t) for p, t in zip(present, tangents)]
+        out, alpha = ours(*duals)
+        torch.testing.assert_close(forward_ad.unpack_dual(out).tangent, t_ref[0])
+        torch.testing.assert_close(forward_ad.unpack_dual(alpha).tangent, t_ref[1])
+
+
+def test_torch_func_grad_matches_reference():
+    ei, ns, nd = make_graph("skewed")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = [t.detach() for t in make_inputs(ns, nd, ei.size(1), 2, 4, torch.float64, "cpu")]
+    go = torch.randn(nd, 2, 4, dtype=torch.float64)
+    loss = lambda *ts: (call(list(ts), graph) * go).sum()
+    loss_ref = lambda *ts: (reference(list(ts), ei, nd)[0] * go).sum()
+    ours = torch.func.grad(loss, argnums=(0, 1, 2, 3, 4))(*inputs)
+    theirs = torch.func.grad(loss_ref, argnums=(0, 1, 2, 3, 4))(*inputs)
+    assert_grads_close(ours, theirs, atol=1e-11, rtol=1e-9)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_float32_wide_scores(device):
+    """Scores hundreds apart (weights that underflow to 0 in float32, the CPU exp's clamp range):
+    the online softmax must stay exact where the weights matter."""
+    ei, ns, nd = make_graph("skewed", torch.int64, device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 8, 32, torch.float32, device)
+    with torch.no_grad():
+        inputs[2].mul_(40.0)
+    out, alpha = call(inputs, graph, return_attention=True)
+    inputs64 = [t.detach().double().requires_grad_() for t in inputs]
+    ref, ref_alpha = reference(inputs64, ei, nd)
+    assert ((ref_alpha > 0) & (ref_alpha < 1e-30)).any()  # some weights do underflow
+    torch.testing.assert_close(out.double(), ref, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(alpha.double(), ref_alpha, atol=1e-4, rtol=1e-4)
+    go = torch.randn(out.shape, dtype=torch.float64, device=device)
+    ours = grads_of(out, inputs, go.float())
+    theirs = grads_of(ref, inputs64, go)
+    for a, b in zip(ours, theirs):
+        scale = max(1.0, b.abs().max().item())
+        torch.testing.assert_close(a.double(), b, atol=1e-4 * scale, rtol=1e-3)
+
+
+def test_nan_propagates_locally():
+    ei = torch.tensor([[0, 1, 2, 2], [0, 0, 1, 2]])
+    graph = tg.BipartiteCSC.from_edge_index(ei, 3, 4)
+    inputs = [t.detach() for t in make_inputs(3, 4, 4, 1, 2, torch.float32, "cpu", edge_mode="none")[:3]]
+    inputs += [None, None]
+    inputs[0][1, 0, 0] = float("nan")
+    out = call(inputs, graph)
+    ref, _ = reference(inputs, ei, 4)
+    torch.testing.assert_close(out, ref, equal_nan=True)
+    assert torch.isnan(out[0]).any() and not torch.isnan(out[1:]).any()
+    assert torch.equal(out[3], torch.zeros_like(out[3]))  # no incoming edge
+
+
+def test_empty_sizes():
+    graph = tg.BipartiteCSC.from_edge_index(torch.zeros(2, 0, dtype=torch.long), 0, 0)
+    x = torch.zeros(0, 2, 3, requires_grad=True)
+    att = torch.zeros(2, 3, requires_grad=True)
+    ea = torch.zeros(0, 4, requires_grad=True)
+    w = torch.randn(4, 2, 3, requires_grad=True)
+    out = tg.gatv2_attention(x, x, att, graph, edge_attr=ea, edge_weight=w)
+    assert out.shape == (0, 2, 3)
+    out.sum().backward()
+    assert x.grad.shape == x.shape and torch.equal(att.grad, torch.zeros_like(att))
+    assert torch.equal(w.grad, torch.zeros_like(w)) and ea.grad.shape == ea.shape
+
+
+def test_bad_op_inputs_raise_clear_errors():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, xd, att, ea, w = (t.detach() for t in make_inputs(ns, nd, ei.size(1), 2, 3, torch.float32, "cpu"))
+    E = ei.size(1)
+    cases = [
+        (dict(x_src=x.double()), TypeError, r"x_dst .* must have the dtype of x_src"),
+        (dict(x_src=x.long()), TypeError, "x_src must be float"),
+        (dict(att=att.long()), TypeError, "att must be float"),
+        (dict(x_src=x[:, :1]), ValueError, "x_dst must have shape"),
+        (dict(x_src=x.reshape(ns, -1)), ValueError, r"x_src must have shape \[num_src, heads, channels\]"),
+        (dict(x_dst=xd[:-1]), ValueError, "graph.num_dst"),
+        (dict(x_dst=xd[:, :, :2]), ValueError, "x_dst must have shape"),
+        (dict(att=att[:1]), ValueError, "att must have shape"),
+        (dict(x_src=x[:-1]), ValueError, "graph.num_src"),
+        (dict(att=att.double()), TypeError, r"att .* must have the dtype of x_src"),
+        (dict(edge_attr=ea[:-1]), ValueError, "edge_attr must have shape"),
+        (dict(edge_attr=ea[:, :2]), ValueError, "edge_weight must have shape"),
+        (dict(edge_weight=w[:, :1]), ValueError, "edge_weight must have shape"),
+        (dict(edge_attr=ea.double(), edge_weight=w.double()), TypeError, "edge_attr .* must have the dtype"),
+        (dict(edge_weight=w.double()), TypeError, "edge_weight .* must have the dtype"),
+        (dict(edge_attr=None), ValueError, "edge_weight was given without edge_attr"),
+        (dict(edge_weight=None), ValueError, "edge_attr without edge_weight must be already projected"),
+        (dict(edge_attr=ea.long()), TypeError, "edge_attr must be float"),
+        (dict(edge_attr=ea.view(-1)[:E]), ValueError, "edge_attr must have shape"),
+        (dict(dropout=-0.1), ValueError, "dropout must be in"),
+        (dict(dropout=1.0), ValueError, "dropout must be in"),
+        (dict(graph=ei), TypeError, "graph must be a torch_gradops.BipartiteCSC"),
+        (dict(att=att.to("meta")), ValueError, r"att .* must be on the device of x_src"),
+        (dict(edge_weight=w.to("meta")), ValueError, r"edge_weight .* must be on the device of x_src"),
+        (dict(x_src=[1.0]), TypeError, "x_src must be a torch.Tensor"),
+    ]
+    base = dict(x_src=x, x_dst=xd, att=att, graph=graph, edge_attr=ea, edge_weight=w)
+    for override, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            tg.gatv2_attention(**{**base, **override})
+    # the raw op checks too, naming the argument
+    ops = torch.ops.torch_gradops
+    args = (x, xd, att, ea, w)
+    with pytest.raises(RuntimeError, match=r"indptr must have num_dst \+ 1"):
+        ops.gatv2_forward(*args, graph.indptr[:-1], graph.indices, None, 0.2, 1.0, False)
+    with pytest.raises(RuntimeError, match="edge_weight was given without edge_attr"):
+        ops.gatv2_forward(x, xd, att, None, w, graph.indptr, graph.indices, None, 0.2, 1.0, False)
+    with pytest.raises(RuntimeError, match="edge_weight must have shape"):
+        ops.gatv2_forward(x, xd, att, ea, w[:, :1], graph.indptr, graph.indices, None, 0.2, 1.0, False)
+    with pytest.raises(RuntimeError, match=r"edge_attr \(already projected"):
+        ops.gatv2_forward(x, xd, att, ea, None, graph.indptr, graph.indices, None, 0.2, 1.0, False)
+    with pytest.raises(RuntimeError, match="dropout_mask must be a bool"):
+        ops.gatv2_forward(*args, graph.indptr, graph.indices, torch.ones(E, 2), 0.2, 1.0, False)
+    with pytest.raises(RuntimeError, match="dropout_scale"):
+        ops.gatv2_forward(*args, graph.indptr, graph.indices, None, 0.2, 0.5, False)
+    bad_indices = graph.indices.clone()
+    bad_indices[0] = ns + 5
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.gatv2_forward(*args, graph.indptr, bad_indices, None, 0.2, 1.0, False)
+    short = graph.indptr.clone()
+    short[-1] -= 1
+    with pytest.raises(RuntimeError, match="indptr must start at 0 and end at E"):
+        ops.gatv2_forward(*args, short, graph.indices, None, 0.2, 1.0, False)
+    rev = graph.reverse_index()
+    out, lse, _ = ops.gatv2_forward(*args, graph.indptr, graph.indices, None, 0.2, 1.0, False)
+    bwd = (torch.ones_like(out), None, out, lse, *args, graph.indptr, graph.indices)
+    late = rev.indptr.clone()
+    late[0] = 1
+    everything = [True] * 5
+    with pytest.raises(RuntimeError, match="rev_indptr must start at 0 and end at E"):
+        ops.gatv2_backward(*bwd, late, rev.edge, rev.dst, None, 0.2, 1.0, everything)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        ops.gatv2_backward(*bwd[:3], lse.double(), *bwd[4:], rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0,
+                           everything)
+    with pytest.raises(RuntimeError, match="grad_out must have shape"):
+        ops.gatv2_backward(out[:-1], *bwd[1:], rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0, everything)
+
+
+def test_opcheck():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, xd, att, ea, w = (t.detach() for t in make_inputs(ns, nd, ei.size(1), 2, 3, torch.float32, "cpu"))
+    ea = graph.edge_order(ea)
+    ea3 = torch.randn(ei.size(1), 2, 3)
+    mask = torch.rand(ei.size(1), 2) > 0.3
+    ops = torch.ops.torch_gradops
+    p, i = graph.indptr, graph.indices
+    for args in [
+        (x, xd, att, ea, w, p, i, None, 0.2, 1.0, True),
+        (x, xd, att, None, None, p, i, mask, 0.1, 1.5, False),
+        (x, xd, att, ea3, None, p, i, mask, 0.2, 1.5, True),
+    ]:
+        torch.library.opcheck(ops.gatv2_forward.default, args)
+    rev = graph.reverse_index()
+    for ea_, w_ in ((ea, w), (ea3, None), (None, None)):
+        out, lse, alpha = ops.gatv2_forward(x, xd, att, ea_, w_, p, i, mask, 0.2, 1.5, True)
+        go = torch.randn_like(out)
+        for mask_out, ga in (([True] * 5, torch.randn_like(alpha)), ([True, False, False, False, False], None),
+                             ([False, True, True, True, False], None), ([False, False, False, False, True], None)):
+            torch.library.opcheck(ops.gatv2_backward.default,
+                                  (go, ga, out, lse, x, xd, att, ea_, w_, p, i, rev.indptr, rev.edge, rev.dst,
+                                   mask, 0.2, 1.5, mask_out))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    graph.reverse_index()
+    x_src, x_dst, att, ea, w = make_inputs(ns, nd, ei.size(1), 2, 8, torch.float32, "cpu")
+    lin = torch.randn(8, 8)
+
+    def f(x_src, x_dst, att, ea, w):
+        out = tg.gatv2_attention(x_src @ lin, x_dst, att, graph, 0.2, ea, w)
+        return torch.nn.functional.elu(out).sum(dim=(1, 2))
+
+    compiled = torch.compile(f, fullgraph=True)
+    args = (x_src, x_dst, att, ea, w)
+    eager = f(*args)
+    got = compiled(*args)
+    torch.testing.assert_close(got, eager)
+    ge = torch.autograd.grad(eager.sum(), args)
+    gc = torch.autograd.grad(compiled(*args).sum(), args)
+    for a, b in zip(gc, ge):
+        torch.testing.assert_close(a, b)
+
+
+def test_mha_gat_v2_n2n_matches_manual_composition():
+    ei, ns, nd = make_graph("random", seed=9)
+    n = max(ns, nd)
+    graph = tg.BipartiteCSC.from_edge_index(ei, n, n)
+    heads, c = 3, 4
+    feat = torch.randn(n, heads * c, dtype=torch.float64, requires_grad=True)
+    att = torch.randn(heads * c, dtype=torch.float64, requires_grad=True)
+    efeat = torch.randn(ei.size(1), heads * c, dtype=torch.float64, requires_grad=True)
+    xs = feat.view(n, heads, c)
+    a = att.view(heads, c)
+    out = tg.mha_gat_v2_n2n(feat, att, graph, num_heads=heads, edge_feat=efeat)
+    ref, _ = gatv2_reference(xs, xs, a, ei, n, 0.2, efeat.view(-1, heads, c))
+    torch.testing.assert_close(out, ref.reshape(n, heads * c))
+    # concat_heads=False averages the heads
+    mean = tg.mha_gat_v2_n2n(feat, att, graph, num_heads=heads, concat_heads=False)
+    torch.testing.assert_close(mean, gatv2_reference(xs, xs, a, ei, n)[0].mean(1))
+    # a (source, destination) pair on a bipartite graph; "Linear" = no activation
+    g2 = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    fs, fd = torch.randn(ns, heads * c, dtype=torch.float64), torch.randn(nd, heads * c, dtype=torch.float64)
+    out2 = tg.mha_gat_v2_n2n((fs, fd), att, g2, num_heads=heads, activation="Linear")
+    ref2, _ = gatv2_reference(fs.view(ns, heads, c), fd.view(nd, heads, c), a, ei, nd, 1.0)
+    torch.testing.assert_close(out2, ref2.reshape(nd, heads * c))
+    assert torch.autograd.gradcheck(
+        lambda f, w, e: tg.mha_gat_v2_n2n(f, w, graph, num_heads=heads, edge_feat=e), (feat, att, efeat))
+    with pytest.raises(ValueError, match="attn_weights"):
+        tg.mha_gat_v2_n2n(feat, torch.cat([att, att]), graph, num_heads=heads)
+    with pytest.raises(ValueError, match="activation"):
+        tg.mha_gat_v2_n2n(feat, att, graph, num_heads=heads, activation="ELU")
+    with pytest.raises(ValueError, match="edge_feat"):
+        tg.mha_gat_v2_n2n(feat, att, graph, num_heads=heads, edge_feat=efeat[:, :2])
+    with pytest.raises(ValueError, match="num_heads"):
+        tg.mha_gat_v2_n2n(feat, att, graph, num_heads=5)

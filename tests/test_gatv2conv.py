@@ -1,0 +1,218 @@
+"""torch_gradops.nn.GATv2Conv against torch_geometric.nn.GATv2Conv (PyG 2.8) with shared weights:
+outputs, attention weights and gradients for every input form and option, dtypes, models."""
+import copy
+
+import pytest
+import torch
+
+pyg = pytest.importorskip("torch_geometric")
+
+from torch_geometric import EdgeIndex  # noqa: E402
+from torch_geometric.nn import GATv2Conv as PyGGATv2Conv  # noqa: E402
+from torch_geometric.nn.models import GAT as PyGGAT  # noqa: E402
+from torch_geometric.typing import WITH_TORCH_SPARSE  # noqa: E402
+from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
+
+from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
+from pyg_helpers import close, make_pair, random_graph, run_both  # noqa: E402
+
+
+def pair(in_channels, out_channels, seed=0, **kw):
+    """PyG's GATv2Conv and ours with equal parameters."""
+    return make_pair(PyGGATv2Conv, GATv2Conv, in_channels, out_channels, seed=seed, **kw)
+
+
+CONFIGS = [
+    dict(heads=1),
+    dict(heads=8),
+    dict(heads=8, concat=False),
+    dict(heads=4, share_weights=True),
+    dict(heads=4, residual=True),
+    dict(heads=4, concat=False, residual=True),
+    dict(heads=8, add_self_loops=False),
+    dict(heads=2, bias=False),
+    dict(heads=3, negative_slope=0.05),
+]
+
+
+@pytest.mark.parametrize("loops", [True, False], ids=["with_self_loops", "no_self_loops"])
+@pytest.mark.parametrize("kw", CONFIGS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_matches_pyg(kw, loops):
+    theirs, ours = pair(16, 8, **kw)
+    run_both(theirs, ours, torch.randn(40, 16), random_graph(40, 40, 200, loops=loops))
+
+
+@pytest.mark.parametrize("fill_value", [0.5, "mean", "add", "max", "min", "mul"])
+@pytest.mark.parametrize("edge_dim", [1, 4])
+def test_edge_features_match_pyg(edge_dim, fill_value):
+    theirs, ours = pair(12, 6, heads=3, edge_dim=edge_dim, fill_value=fill_value)
+    ei = random_graph(30, 30, 150)
+    ea = torch.randn(150, edge_dim) if edge_dim > 1 else torch.randn(150)
+    run_both(theirs, ours, torch.randn(30, 12), ei, edge_attr=ea)
+
+
+def test_edge_features_without_self_loops_and_tensor_fill():
+    theirs, ours = pair(12, 6, heads=2, edge_dim=3, add_self_loops=False)
+    run_both(theirs, ours, torch.randn(30, 12), random_graph(30, 30, 120), edge_attr=torch.randn(120, 3))
+    theirs, ours = pair(12, 6, heads=2, edge_dim=3, fill_value=torch.tensor([1.0, -2.0, 0.5]))
+    run_both(theirs, ours, torch.randn(30, 12), random_graph(30, 30, 120), edge_attr=torch.randn(120, 3))
+
+
+@pytest.mark.parametrize("share_weights", [False, True])
+def test_bipartite_pair_input(share_weights):
+    in_channels = 16 if share_weights else (16, 10)
+    theirs, ours = pair(in_channels, 8, heads=4, share_weights=share_weights, residual=True)
+    x = (torch.randn(25, 16), torch.randn(15, 16 if share_weights else 10))
+    run_both(theirs, ours, x, random_graph(25, 15, 100))
+
+
+@pytest.mark.parametrize("builder", [to_torch_coo_tensor, to_torch_csr_tensor, to_torch_csc_tensor],
+                         ids=["coo", "csr", "csc"])
+@pytest.mark.parametrize("loops", [True, False])
+def test_torch_sparse_adjacency_matches_pyg(builder, loops):
+    theirs, ours = pair(16, 8, heads=4, add_self_loops=loops)
+    ei = torch.unique(random_graph(30, 30, 150), dim=1)
+    adj_t = builder(ei.flip(0), size=(30, 30))
+    x = torch.randn(30, 16)
+    if builder is to_torch_csc_tensor:
+        # PyG's GATv2Conv does not take a CSC adjacency; ours does: compare with PyG's on the
+        # same edges given as a COO adjacency
+        coo = to_torch_coo_tensor(ei.flip(0), size=(30, 30))
+        close(ours(x, adj_t), theirs(x, coo))
+        close(ours(x, adj_t, return_attention_weights=True)[1][0].to_dense(),
+              theirs(x, coo, return_attention_weights=True)[1][0].to_dense())
+        return
+    run_both(theirs, ours, x, adj_t)
+
+
+def test_edge_index_object_matches_pyg():
+    theirs, ours = pair(16, 8, heads=4)
+    ei = random_graph(30, 30, 150)
+    order = torch.argsort(ei[1] * 30 + ei[0])
+    for e in (EdgeIndex(ei, sparse_size=(30, 30)), EdgeIndex(ei[:, order], sparse_size=(30, 30), sort_order="col")):
+        run_both(theirs, ours, torch.randn(30, 16), e)
+
+
+@pytest.mark.skipif(not WITH_TORCH_SPARSE, reason="torch_sparse is not installed")
+@pytest.mark.parametrize("add_loops", [True, False])
+def test_sparse_tensor_matches_pyg(add_loops):
+    from torch_geometric.typing import SparseTensor
+    theirs, ours = pair(16, 8, heads=4, add_self_loops=add_loops)
+    ei = torch.unique(random_graph(30, 30, 150), dim=1)
+    adj_t = SparseTensor(row=ei[1], col=ei[0], sparse_sizes=(30, 30))
+    x = torch.randn(30, 16)
+    o1, a1 = theirs(x, adj_t, return_attention_weights=True)
+    o2, a2 = ours(x, adj_t, return_attention_weights=True)
+    close(o2, o1)
+    close(a2.to_dense(), a1.to_dense())
+    theirs, ours = pair(16, 8, heads=2, edge_dim=2)
+    for conv in (theirs, ours):  # edge features + loops + SparseTensor: refused alike
+        with pytest.raises(NotImplementedError, match="SparseTensor"):
+            conv(x, adj_t)
+
+
+def test_no_edges_and_isolated_destinations():
+    theirs, ours = pair(8, 4, heads=2, add_self_loops=False)
+    run_both(theirs, ours, torch.randn(6, 8), torch.zeros(2, 0, dtype=torch.long))
+    ei = torch.tensor([[0, 1, 2], [3, 3, 4]])  # destinations 0-2 and 5 get nothing
+    run_both(theirs, ours, torch.randn(6, 8), ei)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float64, 1e-10), (torch.float16, 3e-2), (torch.bfloat16, 1e-1)])
+def test_dtypes(dtype, atol):
+    theirs, ours = pair(16, 8, heads=4, edge_dim=2)
+    x, ei, ea = torch.randn(30, 16), random_graph(30, 30, 150), torch.randn(150, 2)
+    ref = theirs.double()(x.double(), ei, ea.double())
+    ours = ours.to(dtype)
+    xo = x.to(dtype).requires_grad_()
+    out = ours(xo, ei, ea.to(dtype))
+    assert out.dtype == dtype
+    close(out.double(), ref, atol=atol, rtol=atol, msg=str(dtype))
+    out.float().sum().backward()
+    assert xo.grad.dtype == dtype and torch.isfinite(xo.grad.float()).all()
+
+
+def test_autocast_output_dtype_matches_pyg():
+    theirs, ours = pair(16, 8, heads=2)
+    x, ei = torch.randn(20, 16), random_graph(20, 20, 80)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o1, o2 = theirs(x, ei), ours(x, ei)
+    assert o1.dtype == o2.dtype
+    close(o2.float(), o1.float(), atol=5e-2, rtol=5e-2)
+
+
+def test_dropout_trains_and_eval_is_deterministic():
+    theirs, ours = pair(8, 4, heads=2, dropout=0.5)
+    x, ei = torch.randn(20, 8), random_graph(20, 20, 100)
+    ours.train()
+    _, (_, alpha) = ours(x, ei, return_attention_weights=True)
+    frac = (alpha == 0).float().mean().item()
+    assert 0.35 < frac < 0.65
+    ours.eval()
+    theirs.eval()
+    run_both(theirs, ours, x, ei)
+    ours.train()
+    ours.dropout = 1.0
+    assert not ours(x, ei).abs().any()
+
+
+def test_backward_is_bitwise_deterministic():
+    _, ours = pair(16, 8, heads=4, edge_dim=3)
+    x, ei, ea = torch.randn(50, 16), random_graph(50, 50, 400), torch.randn(400, 3)
+    grads = []
+    for _ in range(2):
+        ours.zero_grad()
+        ours(x, ei, ea).square().sum().backward()
+        grads.append([p.grad.clone() for p in ours.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_state_dict_repr_and_conversion():
+    theirs, ours = pair(16, 8, heads=4, edge_dim=2, residual=True)
+    assert repr(ours) == repr(theirs)
+    assert list(ours.state_dict()) == list(theirs.state_dict())
+    fresh = GATv2Conv(16, 8, heads=4, edge_dim=2, residual=True)
+    fresh.load_state_dict(theirs.state_dict())
+    x, ei, ea = torch.randn(20, 16), random_graph(20, 20, 80), torch.randn(80, 2)
+    close(fresh(x, ei, ea), theirs(x, ei, ea))
+    assert isinstance(ours, PyGGATv2Conv)
+    converted = convert(copy.deepcopy(theirs))
+    assert type(converted) is GATv2Conv
+    close(converted(x, ei, ea), theirs(x, ei, ea))
+
+
+def test_gat_model_v2_uses_ours():
+    torch.manual_seed(0)
+    theirs = PyGGAT(16, 32, num_layers=2, out_channels=7, heads=4, v2=True, edge_dim=2)
+    torch.manual_seed(0)
+    ours = GAT(16, 32, num_layers=2, out_channels=7, heads=4, v2=True, edge_dim=2)
+    assert all(type(c) is GATv2Conv for c in ours.convs)
+    x, ei, ea = torch.randn(30, 16), random_graph(30, 30, 150), torch.randn(150, 2)
+    theirs.eval()
+    ours.eval()
+    close(ours(x, ei, edge_attr=ea), theirs(x, ei, edge_attr=ea))
+
+
+def test_compiled_layer_matches_eager():
+    _, ours = pair(16, 8, heads=4, edge_dim=2)
+    x, ei, ea = torch.randn(30, 16), random_graph(30, 30, 150), torch.randn(150, 2)
+    eager = ours(x, ei, ea)
+    torch._dynamo.reset()
+    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    close(compiled(x, ei, ea), eager)
+    xg = x.clone().requires_grad_()
+    g1, = torch.autograd.grad(compiled(xg, ei, ea).sum(), xg)
+    g2, = torch.autograd.grad(ours(xg, ei, ea).sum(), xg)
+    close(g1, g2)
+
+
+def test_bad_inputs_raise_clear_errors():
+    _, ours = pair(8, 4)
+    x = torch.randn(10, 8)
+    with pytest.raises(IndexError, match="out of range"):
+        ours(x, torch.tensor([[0, 10], [1, 2]]))
+    with pytest.raises(ValueError, match="shape"):
+        ours(x, torch.zeros(3, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        ours(x, torch.zeros(2, 4))

@@ -1,0 +1,408 @@
+"""Fused GATv2 attention on a :class:`~torch_gradops.BipartiteCSC` graph.
+
+GATv2 (Brody et al., "How attentive are graph attention networks?") scores each edge with the
+whole feature vector, ``s = att . leaky_relu(x_src[j] + x_dst[i] + W_e edge_attr[e])``. The
+forward kernel makes one pass over each destination's incoming edges with an online softmax,
+forms the pre-activation of each edge in registers (the projected edge features are never
+stored) and saves only the per-(destination, head) log-sum-exp. The backward recomputes the
+pre-activations and sums without atomics in a fixed order, so gradients are bitwise
+reproducible; its workspaces are ``[E, heads]``. Nothing of size ``E x heads x channels`` is
+allocated, except on the double-backward and forward-AD paths, which are composite (see
+:class:`GATv2AttentionFunction`).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from .library import check_backend, ops
+from .graph import BipartiteCSC, csc_destinations
+
+__all__ = ["gatv2_attention", "GATv2AttentionFunction", "mha_gat_v2_n2n"]
+
+_FLOATS = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Half types accumulate (and keep the log-sum-exp) in float32."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+# ---------------------------------------------------------------------------- fake kernels
+@torch.library.register_fake("torch_gradops::gatv2_forward")
+def _gatv2_forward_fake(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
+                        negative_slope, dropout_scale, return_alpha):
+    num_dst, heads, channels = x_dst.size(0), x_src.size(1), x_src.size(2)
+    out = x_src.new_empty((num_dst, heads, channels))
+    lse = x_src.new_empty((num_dst, heads), dtype=_acc_dtype(x_src.dtype))
+    alpha = x_src.new_empty((indices.size(0) if return_alpha else 0, heads))
+    return out, lse, alpha
+
+
+@torch.library.register_fake("torch_gradops::gatv2_backward")
+def _gatv2_backward_fake(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight,
+                         indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, negative_slope,
+                         dropout_scale, output_mask):
+    def maybe(flag, like):
+        return torch.empty_like(like) if flag and like is not None else x_src.new_empty((0,))
+    return (maybe(output_mask[0], x_src), maybe(output_mask[1], x_dst), maybe(output_mask[2], att),
+            maybe(output_mask[3], edge_attr),
+            maybe(output_mask[4] and edge_weight is not None, edge_weight))
+
+
+# ---------------------------------------------------------------------------- composite path
+def _edge_term(edge_attr, edge_weight):
+    """``[E, H, C]`` edge term of the pre-activation (materialised: composite paths only)."""
+    if edge_attr is None:
+        return None
+    if edge_weight is None:
+        return edge_attr
+    return torch.einsum("ek,khc->ehc", edge_attr, edge_weight)
+
+
+def _gatv2_composite(x_src, x_dst, att, edge_attr, edge_weight, src, dst, num_dst, mask,
+                     negative_slope, scale):
+    """Differentiable plain-PyTorch GATv2 in CSC edge order; returns ``(out, alpha_after_dropout)``.
+
+    Used only where a first-order kernel cannot serve: double backward (``create_graph=True``).
+    It materialises ``E x H x C`` and computes in float32 for half types.
+    """
+    dtype = x_src.dtype
+    acc = _acc_dtype(dtype)
+    cast = lambda t: None if t is None else t.to(acc)
+    x_src, x_dst, att, edge_attr, edge_weight = map(cast, (x_src, x_dst, att, edge_attr, edge_weight))
+    src, dst = src.long(), dst.long()
+    heads = att.size(0)
+    z = x_src.index_select(0, src) + x_dst.index_select(0, dst)
+    ep = _edge_term(edge_attr, edge_weight)
+    if ep is not None:
+        z = z + ep
+    s = (F.leaky_relu(z, negative_slope) * att).sum(-1)
+    dst_h = dst.view(-1, 1).expand(-1, heads)
+    smax = torch.full((num_dst, heads), float("-inf"), dtype=acc, device=s.device)
+    smax = smax.scatter_reduce(0, dst_h, s.detach(), "amax", include_self=True)
+    p = torch.exp(s - smax.index_select(0, dst))
+    denom = torch.zeros((num_dst, heads), dtype=acc, device=s.device).index_add(0, dst, p)
+    alpha = p / denom.index_select(0, dst)
+    if mask is not None:
+        alpha = alpha * mask.to(acc) * scale
+    msg = alpha.unsqueeze(-1) * x_src.index_select(0, src)
+    out = torch.zeros((num_dst,) + tuple(x_src.shape[1:]), dtype=acc, device=s.device).index_add(0, dst, msg)
+    return out.to(dtype), alpha.to(dtype)
+
+
+# ---------------------------------------------------------------------------- autograd
+_N_DIFF = 5  # x_src, x_dst, att, edge_attr, edge_weight
+_N_REST = 9  # indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, slope, scale, return_alpha
+
+
+class _GATv2AttentionFirstOrder(torch.autograd.Function):
+    """Forward and backward of :class:`GATv2AttentionFunction`, without ``jvp``: the class that
+    ``torch.compile`` traces (Dynamo cannot trace a Function that defines ``jvp``)."""
+
+    @staticmethod
+    def forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge,
+                rev_dst, dropout_mask, negative_slope, dropout_scale, return_alpha):
+        return ops.gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
+                                 dropout_mask, negative_slope, dropout_scale, return_alpha)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
+         dropout_mask, negative_slope, dropout_scale, return_alpha) = inputs
+        out, lse, _ = output
+        ctx.mark_non_differentiable(lse)
+        if not return_alpha:
+            ctx.mark_non_differentiable(output[2])
+        ctx.negative_slope = negative_slope
+        ctx.dropout_scale = dropout_scale
+        ctx.has = (True, True, True, edge_attr is not None, edge_weight is not None)
+        ctx.has_rev = rev_indptr is not None
+        ctx.return_alpha = return_alpha
+        ctx.save_for_backward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr,
+                              rev_edge, rev_dst, dropout_mask, out, lse)
+        ctx.save_for_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
+                             out, lse)
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse, grad_alpha):
+        (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
+         dropout_mask, out, lse) = ctx.saved_tensors
+        needs = [n and h for n, h in zip(ctx.needs_input_grad[:_N_DIFF], ctx.has)]
+        none_rest = (None,) * _N_REST
+        if not any(needs):
+            return (None,) * _N_DIFF + none_rest
+        if grad_alpha is not None and grad_alpha.numel() == 0:
+            grad_alpha = None
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        diff_inputs = (x_src, x_dst, att, edge_attr, edge_weight)
+
+        if torch.is_grad_enabled():
+            # create_graph=True: differentiable composite recomputation (exact, not fused).
+            dst = csc_destinations(indptr, indices.numel()).long()
+            with torch.enable_grad():
+                inputs = [t for t, n in zip(diff_inputs, needs) if n]
+                detached = [t.detach().requires_grad_() if not t.requires_grad else t for t in inputs]
+                mapping = dict(zip(map(id, inputs), detached))
+                args = [mapping.get(id(t), t) if n else (t.detach() if t is not None else None)
+                        for t, n in zip(diff_inputs, needs)]
+                o, a = _gatv2_composite(*args, indices, dst, x_dst.size(0), dropout_mask,
+                                        ctx.negative_slope, ctx.dropout_scale)
+                outs, grads = [o], [grad_out]
+                if grad_alpha is not None:
+                    outs.append(a)
+                    grads.append(grad_alpha)
+                res = torch.autograd.grad(outs, detached, grads, create_graph=True, allow_unused=True)
+            it = iter(res)
+            result = [next(it) if n else None for n in needs]
+            result = [torch.zeros_like(t) if r is None and n else r
+                      for r, t, n in zip(result, diff_inputs, needs)]
+            return tuple(result) + none_rest
+
+        if not ctx.has_rev:
+            raise RuntimeError("GATv2AttentionFunction: the reverse index was not passed to forward, "
+                               "but a gradient is needed; call gatv2_attention() instead")
+        grads = ops.gatv2_backward(
+            grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
+            x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
+            dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
+        return tuple(g if n else None for g, n in zip(grads, needs)) + none_rest
+
+
+class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
+    """Autograd for the fused GATv2 kernels. All per-edge tensors are in CSC edge order.
+
+    ``forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge,
+    rev_dst, dropout_mask, negative_slope, dropout_scale, return_alpha) -> (out, lse, alpha)``
+
+    * ``x_src [num_src, H, C]``, ``x_dst [num_dst, H, C]``, ``att [H, C]``; ``edge_attr [E, K]``
+      with ``edge_weight [K, H, C]``, or ``edge_attr [E, H, C]`` (already projected) with
+      ``edge_weight=None``, or both None; ``dropout_mask [E, H]`` bool or None (kept edges).
+    * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (non-differentiable log-sum-exp of the
+      scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
+    * The reverse (source-grouped) index ``rev_*`` is only needed when a gradient is wanted.
+
+    Backward: the deterministic kernel. Under ``create_graph=True`` it switches to a composite
+    differentiable recomputation, so gradients of gradients are exact. Forward-mode AD (``jvp``)
+    is composite as well. Both materialise ``E x H x C`` tensors.
+    """
+
+    @staticmethod
+    def jvp(ctx, t_xs, t_xd, t_att, t_ea, t_w, *_):
+        x_src, x_dst, att, ea, w, indptr, indices, mask, out, lse = ctx.saved_tensors
+        acc = _acc_dtype(x_src.dtype)
+        cast = lambda t: None if t is None else t.to(acc)
+        xs, xd, att_a, ea_a, w_a = map(cast, (x_src, x_dst, att, ea, w))
+        src = indices.long()
+        dst = csc_destinations(indptr, indices.numel()).long()
+        z = xs.index_select(0, src) + xd.index_select(0, dst)
+        ep = _edge_term(ea_a, w_a)
+        if ep is not None:
+            z = z + ep
+        lr = F.leaky_relu(z, ctx.negative_slope)
+        slope = torch.where(z > 0, torch.ones_like(z), torch.full_like(z, ctx.negative_slope))
+        alpha = torch.exp((lr * att_a).sum(-1) - lse.index_select(0, dst))
+        tz = torch.zeros_like(z)
+        if t_xs is not None:
+            tz = tz + t_xs.to(acc).index_select(0, src)
+        if t_xd is not None:
+            tz = tz + t_xd.to(acc).index_select(0, dst)
+        if t_ea is not None and ea is not None:
+            tz = tz + _edge_term(t_ea.to(acc), w_a)
+        if t_w is not None and w is not None:
+            tz = tz + _edge_term(ea_a, t_w.to(acc))
+        ts = (att_a * slope * tz).sum(-1)
+        if t_att is not None:
+            ts = ts + (t_att.to(acc) * lr).sum(-1)
+        dbar = torch.zeros_like(lse).index_add(0, dst, alpha * ts)
+        keep = mask.to(acc) * ctx.dropout_scale if mask is not None else 1.0
+        t_alpha = alpha * (ts - dbar.index_select(0, dst)) * keep
+        t_out = torch.zeros(out.shape, dtype=acc, device=out.device).index_add(
+            0, dst, t_alpha.unsqueeze(-1) * xs.index_select(0, src))
+        if t_xs is not None:
+            t_out = t_out.index_add(0, dst, (alpha * keep).unsqueeze(-1) * t_xs.to(acc).index_select(0, src))
+        t_alpha_out = t_alpha.to(x_src.dtype) if ctx.return_alpha else None
+        return t_out.to(out.dtype), None, t_alpha_out
+
+
+# ---------------------------------------------------------------------------- public API
+def _check_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOATS:
+        raise TypeError(f"{name} must be float64/float32/float16/bfloat16, got {t.dtype}")
+    check_backend(t, name)
+
+
+def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout):
+    if not isinstance(graph, BipartiteCSC):
+        raise TypeError(f"graph must be a torch_gradops.BipartiteCSC, got {type(graph).__name__}")
+    for name, t in (("x_src", x_src), ("x_dst", x_dst), ("att", att)):
+        _check_tensor(t, name)
+    if x_src.dim() != 3:
+        raise ValueError(f"x_src must have shape [num_src, heads, channels], got {tuple(x_src.shape)}")
+    num_src, heads, channels = x_src.shape
+    if x_dst.dim() != 3 or x_dst.shape[1:] != (heads, channels):
+        raise ValueError(f"x_dst must have shape [num_dst, heads={heads}, channels={channels}], "
+                         f"got {tuple(x_dst.shape)}")
+    if att.shape != (heads, channels):
+        raise ValueError(f"att must have shape [heads, channels] = {(heads, channels)}, got {tuple(att.shape)}")
+    if num_src != graph.num_src:
+        raise ValueError(f"x_src has {num_src} source rows but graph.num_src is {graph.num_src}")
+    if x_dst.size(0) != graph.num_dst:
+        raise ValueError(f"x_dst has {x_dst.size(0)} rows but graph.num_dst is {graph.num_dst}")
+    for name, t in (("x_dst", x_dst), ("att", att)):
+        if t.dtype != x_src.dtype:
+            raise TypeError(f"{name} ({t.dtype}) must have the dtype of x_src ({x_src.dtype})")
+        if t.device != x_src.device:
+            raise ValueError(f"{name} ({t.device}) must be on the device of x_src ({x_src.device})")
+    if graph.device != x_src.device:
+        raise ValueError(f"graph is on {graph.device} but x_src is on {x_src.device}; use graph.to(device)")
+    if edge_weight is not None and edge_attr is None:
+        raise ValueError("edge_weight was given without edge_attr")
+    if edge_attr is not None:
+        _check_tensor(edge_attr, "edge_attr")
+        E = graph.num_edges
+        if edge_weight is not None:
+            _check_tensor(edge_weight, "edge_weight")
+            if edge_attr.dim() != 2 or edge_attr.size(0) != E:
+                raise ValueError(f"edge_attr must have shape [E={E}, edge_dim] when edge_weight is given, "
+                                 f"got {tuple(edge_attr.shape)}")
+            expect = (edge_attr.size(1), heads, channels)
+            if edge_weight.shape != expect:
+                raise ValueError(f"edge_weight must have shape [edge_dim, heads, channels] = {expect}, "
+                                 f"got {tuple(edge_weight.shape)}")
+        elif edge_attr.shape != (E, heads, channels):
+            raise ValueError(f"edge_attr without edge_weight must be already projected, of shape "
+                             f"[E, heads, channels] = {(E, heads, channels)}, got {tuple(edge_attr.shape)}; "
+                             f"pass edge_weight [edge_dim, heads, channels] for raw [E, edge_dim] features")
+        for name, t in (("edge_attr", edge_attr), ("edge_weight", edge_weight)):
+            if t is None:
+                continue
+            if t.dtype != x_src.dtype:
+                raise TypeError(f"{name} ({t.dtype}) must have the dtype of x_src ({x_src.dtype})")
+            if t.device != x_src.device:
+                raise ValueError(f"{name} ({t.device}) must be on the device of x_src ({x_src.device})")
+    if not (0.0 <= float(dropout) < 1.0):
+        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+
+
+def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor, graph: BipartiteCSC,
+                    negative_slope: float = 0.2, edge_attr: Optional[torch.Tensor] = None,
+                    edge_weight: Optional[torch.Tensor] = None, dropout: float = 0.0,
+                    training: bool = False, return_attention: bool = False
+                    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Fused GATv2 attention and aggregation (PyG ``GATv2Conv`` between its projections and bias).
+
+    For every destination ``i``, head ``h`` and incoming edge ``e = (j -> i)``::
+
+        z[e,h,:]   = x_src[j,h,:] + x_dst[i,h,:] + sum_k edge_attr[e,k] * edge_weight[k,h,:]
+        s[e,h]     = sum_c att[h,c] * leaky_relu(z[e,h,c], negative_slope)
+        alpha[e,h] = softmax of s over the incoming edges of i   (then dropout if training)
+        out[i,h,:] = sum_e alpha[e,h] * x_src[j,h,:]
+
+    The edge term is formed inside the kernels: the ``[E, H, C]`` projected edge features are
+    never stored. Gradients (for all five tensors) are deterministic and use ``[E, H]``
+    workspaces.
+
+    Args:
+        x_src: ``[num_src, H, C]`` projected source features (PyG's ``x_l``; also the message).
+        x_dst: ``[num_dst, H, C]`` projected destination features (PyG's ``x_r``).
+        att: ``[H, C]`` attention vector.
+        graph: the edges, as a :class:`BipartiteCSC` on the features' device.
+        negative_slope: LeakyReLU slope.
+        edge_attr: ``[E, edge_dim]`` edge features in the original edge order (with
+            ``edge_weight``), or ``[E, H, C]`` features already projected (without it), or None.
+        edge_weight: ``[edge_dim, H, C]`` edge projection (PyG: ``lin_edge.weight.t()`` viewed
+            as ``[edge_dim, H, C]``), or None.
+        dropout: attention dropout probability in ``[0, 1)``, applied when ``training`` and
+            scaled by ``1/(1-dropout)`` like ``F.dropout``.
+        return_attention: also return ``alpha [E, H]`` (after dropout) in the original edge order.
+
+    Returns:
+        ``out [num_dst, H, C]``, or ``(out, alpha)``. Destinations without incoming edges get zeros.
+    """
+    _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout)
+    heads = x_src.size(1)
+    ea = None if edge_attr is None else graph.edge_order(edge_attr)
+    mask = None
+    scale = 1.0
+    if training and dropout > 0.0:
+        mask = torch.rand((graph.num_edges, heads), device=x_src.device) >= dropout
+        scale = 1.0 / (1.0 - dropout)
+    grad_inputs = (x_src, x_dst, att, edge_attr, edge_weight)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_inputs):
+        rev = graph.reverse_index()
+        rev_tensors = (rev.indptr, rev.edge, rev.dst)
+    else:
+        rev_tensors = (None, None, None)
+    # Dynamo cannot trace a Function with a custom jvp; compiled code gets the first-order one.
+    function = _GATv2AttentionFirstOrder if torch.compiler.is_compiling() else GATv2AttentionFunction
+    out, _, alpha = function.apply(
+        x_src, x_dst, att, ea, edge_weight, graph.indptr, graph.indices, *rev_tensors, mask,
+        float(negative_slope), float(scale), bool(return_attention))
+    if return_attention:
+        return out, graph.original_order(alpha)
+    return out
+
+
+# ---------------------------------------------------------------------------- cugraph-ops compat
+def mha_gat_v2_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_heads: int = 1,
+                   activation: str = "LeakyReLU", negative_slope: float = 0.2, concat_heads: bool = True,
+                   edge_feat: Optional[torch.Tensor] = None, deterministic_dgrad: bool = False,
+                   deterministic_wgrad: bool = False) -> torch.Tensor:
+    """Drop-in for ``pylibcugraphops.pytorch.operators.mha_gat_v2_n2n`` (withdrawn in RAPIDS 25.02).
+
+    The conventions follow the RAPIDS API documentation of that function
+    (docs.rapids.ai/api/cugraph/stable/api_docs/api/ops/pylibcugraphops.pytorch.operators.mha_gat_v2_n2n)
+    and its caller, cugraph-pyg's ``GATv2Conv`` (python/cugraph-pyg/cugraph_pyg/nn/conv/gatv2_conv.py
+    in rapidsai/cugraph), which passes ``lin_src(x)`` (or the pair ``(lin_src(x_src),
+    lin_dst(x_dst))``), ``att`` of shape ``[heads*C]`` and ``lin_edge(edge_attr)``.
+
+    Args:
+        feat: ``[n, num_heads*C]`` already projected node features, used as sources and (its first
+            ``graph.num_dst`` rows) as destinations (shared weights); or a
+            ``(feat_src [n_src, num_heads*C], feat_dst [n_dst, num_heads*C])`` pair.
+        attn_weights: ``[num_heads*C]`` attention vector (one vector: GATv2 scores the sum).
+        graph: a :class:`BipartiteCSC`.
+        activation: ``"LeakyReLU"`` (or ``"Linear"``/None for no activation).
+        edge_feat: ``[E, num_heads*C]`` already projected edge features, in the graph's original
+            edge order, or None.
+        deterministic_dgrad, deterministic_wgrad: accepted for compatibility and ignored: the
+            gradients here are always deterministic.
+
+    Returns:
+        ``[n_dst, num_heads*C]`` if ``concat_heads`` else ``[n_dst, C]`` (mean over heads).
+    """
+    del deterministic_dgrad, deterministic_wgrad  # always deterministic
+    if isinstance(feat, (tuple, list)):
+        if len(feat) != 2:
+            raise ValueError(f"feat must be a tensor or a (feat_src, feat_dst) pair, got {len(feat)} tensors")
+        feat_src, feat_dst = feat
+    else:
+        feat_src, feat_dst = feat, feat[: graph.num_dst]
+    if feat_src.dim() != 2 or feat_src.size(1) % num_heads != 0:
+        raise ValueError(f"feat must have shape [n, num_heads*C] with num_heads={num_heads}, "
+                         f"got {tuple(feat_src.shape)}")
+    hc = feat_src.size(1)
+    channels = hc // num_heads
+    if feat_dst.dim() != 2 or feat_dst.size(1) != hc:
+        raise ValueError(f"the destination features must have shape [n_dst, {hc}], got {tuple(feat_dst.shape)}")
+    if attn_weights.dim() != 1 or attn_weights.numel() != hc:
+        raise ValueError(f"attn_weights must be 1-D with num_heads*C = {hc} entries, got {tuple(attn_weights.shape)}")
+    if activation in (None, "Linear", "linear", "Identity"):
+        negative_slope = 1.0
+    elif activation != "LeakyReLU":
+        raise ValueError(f"activation must be 'LeakyReLU' or 'Linear', got {activation!r}")
+    edge_attr = None
+    if edge_feat is not None:
+        if edge_feat.dim() != 2 or edge_feat.size(1) != hc:
+            raise ValueError(f"edge_feat must have shape [E, num_heads*C = {hc}], got {tuple(edge_feat.shape)}")
+        edge_attr = edge_feat.reshape(-1, num_heads, channels)
+    out = gatv2_attention(feat_src.reshape(-1, num_heads, channels), feat_dst.reshape(-1, num_heads, channels),
+                          attn_weights.view(num_heads, channels), graph, negative_slope=negative_slope,
+                          edge_attr=edge_attr)
+    return out.reshape(-1, hc) if concat_heads else out.mean(dim=1)
