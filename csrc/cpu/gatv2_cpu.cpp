@@ -24,6 +24,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../gatv2.h"
@@ -40,9 +41,8 @@ using cpu::node_grain;
 using cpu::prefetch_row;
 using cpu::sum8;
 
-// Features per register block in the edge projection: the block of z stays in vector registers
-// while the K rows of edge_weight stream past it (one load per multiply-add).
-constexpr int64_t kFeatureBlock = 32;
+// Edges whose dz rows are batched for the grad edge_weight update (see add_weight_grad_batch).
+constexpr int kEdgeBatch = 8;
 
 template <typename acc_t, typename T>
 std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
@@ -60,27 +60,31 @@ template <typename acc_t, typename TS, typename TD, typename TE>
 inline void edge_preact(acc_t* __restrict__ z, const TS* __restrict__ src_row, const TD* __restrict__ dst_row,
                         Gatv2EdgeMode mode, const TE* __restrict__ ea_row, const acc_t* __restrict__ w, int64_t K,
                         int64_t HC) {
+  for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
   if (mode == Gatv2EdgeMode::kProject) {
+    // Blocks of kVecs vectors of z stay in registers while the K rows of w stream past them:
+    // one load per multiply-add, and kVecs independent sums to hide the FMA latency.
+    using vec = typename cpu::Vec8<acc_t>::type;
+    constexpr int kVecs = sizeof(acc_t) == 4 ? 8 : 4;
+    constexpr int64_t kBlock = 8 * kVecs;
     int64_t f0 = 0;
-    for (; f0 + kFeatureBlock <= HC; f0 += kFeatureBlock) {
-      acc_t r[kFeatureBlock];
-      for (int64_t l = 0; l < kFeatureBlock; ++l)
-        r[l] = static_cast<acc_t>(src_row[f0 + l]) + static_cast<acc_t>(dst_row[f0 + l]);
+    for (; f0 + kBlock <= HC; f0 += kBlock) {
+      vec r[kVecs];
+      for (int v = 0; v < kVecs; ++v) r[v] = cpu::load8(z + f0 + 8 * v);
       for (int64_t k = 0; k < K; ++k) {
         const acc_t a = static_cast<acc_t>(ea_row[k]);
         const acc_t* wk = w + k * HC + f0;
-        for (int64_t l = 0; l < kFeatureBlock; ++l) r[l] += a * wk[l];
+        for (int v = 0; v < kVecs; ++v) r[v] += a * cpu::load8(wk + 8 * v);
       }
-      for (int64_t l = 0; l < kFeatureBlock; ++l) z[f0 + l] = r[l];
+      for (int v = 0; v < kVecs; ++v) cpu::store8(z + f0 + 8 * v, r[v]);
     }
     for (int64_t f = f0; f < HC; ++f) {
-      acc_t r = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
+      acc_t r = z[f];
       for (int64_t k = 0; k < K; ++k) r += static_cast<acc_t>(ea_row[k]) * w[k * HC + f];
       z[f] = r;
     }
     return;
   }
-  for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
   if (mode == Gatv2EdgeMode::kDirect) {
     for (int64_t f = 0; f < HC; ++f) z[f] += static_cast<acc_t>(ea_row[f]);
   }
@@ -107,6 +111,34 @@ inline void head_scores(const acc_t* __restrict__ z, const acc_t* __restrict__ a
     for (int64_t c = C8; c < C; ++c) {
       const acc_t v = zh[c];
       part[c - C8] += ah[c] * (v > acc_t(0) ? v : v * slope);
+    }
+    s[h] = cpu::tree8<acc_t>(part);
+  }
+}
+
+// head_scores() on z = (x_src row + x_dst row) [+ projected edge row] formed in registers: the
+// forward's path when the rows are already in the accumulation type and there is no projection.
+// Same operations in the same order as edge_preact() then head_scores(), hence the same scores.
+template <typename acc_t, bool kWithEdge>
+inline void head_scores_rows(const acc_t* __restrict__ xs, const acc_t* __restrict__ xd,
+                             const acc_t* __restrict__ ea, const acc_t* __restrict__ att, acc_t slope,
+                             acc_t* __restrict__ s, int64_t H, int64_t C) {
+  using cpu::load8;
+  using vec = typename cpu::Vec8<acc_t>::type;
+  const int64_t C8 = C / 8 * 8;
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t f0 = h * C;
+    vec part = {};
+    for (int64_t c = 0; c < C8; c += 8) {
+      vec v = load8(xs + f0 + c) + load8(xd + f0 + c);
+      if (kWithEdge) v += load8(ea + f0 + c);
+      const vec l = v > acc_t(0) ? v : v * slope;
+      part += load8(att + f0 + c) * l;
+    }
+    for (int64_t c = C8; c < C; ++c) {
+      acc_t v = xs[f0 + c] + xd[f0 + c];
+      if (kWithEdge) v += ea[f0 + c];
+      part[c - C8] += att[f0 + c] * (v > acc_t(0) ? v : v * slope);
     }
     s[h] = cpu::tree8<acc_t>(part);
   }
@@ -146,14 +178,29 @@ inline void add_to(acc_t* __restrict__ acc, const acc_t* __restrict__ v, int64_t
   for (int64_t f = 0; f < n; ++f) acc[f] += v[f];
 }
 
-// p[k, f] += ea_row[k] * dz[f]: an edge's share of grad edge_weight.
-template <typename acc_t, typename T>
-inline void add_weight_grad(acc_t* __restrict__ p, const T* __restrict__ ea_row, const acc_t* __restrict__ dz, int64_t K,
-                            int64_t HC) {
-  for (int64_t k = 0; k < K; ++k) {
-    const acc_t a = static_cast<acc_t>(ea_row[k]);
-    acc_t* pk = p + k * HC;
-    for (int64_t f = 0; f < HC; ++f) pk[f] += a * dz[f];
+// p[k, f] += sum_b eab[b, k] * dzb[b, f] over a batch of kEdgeBatch edges (rows past the
+// batch's end are zero): the edges' shares of grad edge_weight, with each vector of p loaded and
+// stored once per batch instead of once per edge (per edge, the update was store-bound).
+template <typename acc_t>
+inline void add_weight_grad_batch(acc_t* __restrict__ p, const acc_t* __restrict__ eab, const acc_t* __restrict__ dzb,
+                                  int64_t K, int64_t HC) {
+  using vec = typename cpu::Vec8<acc_t>::type;
+  const int64_t HC8 = HC / 8 * 8;
+  for (int64_t f = 0; f < HC8; f += 8) {
+    vec d[kEdgeBatch];
+    for (int b = 0; b < kEdgeBatch; ++b) d[b] = cpu::load8(dzb + b * HC + f);
+    for (int64_t k = 0; k < K; ++k) {
+      vec acc = cpu::load8(p + k * HC + f);
+      for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * d[b];
+      cpu::store8(p + k * HC + f, acc);
+    }
+  }
+  for (int64_t f = HC8; f < HC; ++f) {
+    for (int64_t k = 0; k < K; ++k) {
+      acc_t acc = p[k * HC + f];
+      for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * dzb[b * HC + f];
+      p[k * HC + f] = acc;
+    }
   }
 }
 
@@ -171,44 +218,33 @@ inline void add_src_grad(acc_t* __restrict__ accx, const acc_t* __restrict__ z, 
   }
 }
 
-// y[k] = <w[k, :], v> for k < K, four rows at a time (independent sums hide the FMA latency; v
-// is loaded once per four rows), each in 8 lanes combined in a fixed tree. Written with vector
+// y[k] = <w[k, :], v> for k < K, eight rows at a time (independent sums hide the FMA latency; v
+// is loaded once per eight rows), each in 8 lanes combined in a fixed tree. Written with vector
 // types: as plain loops GCC vectorised across f instead and shuffled every element into place.
 template <typename acc_t>
 inline void matvec_rows(const acc_t* __restrict__ w, const acc_t* __restrict__ v, acc_t* __restrict__ y, int64_t K,
                         int64_t n) {
   using vec = typename cpu::Vec8<acc_t>::type;
-  const auto load = [](const acc_t* p) { return cpu::load8(p); };
-  const auto tree = [](const vec& p) { return cpu::tree8<acc_t>(p); };
+  constexpr int kRows = 8;
   const int64_t n8 = n / 8 * 8;
   int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    const acc_t *w0 = w + k * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    vec p0 = {}, p1 = {}, p2 = {}, p3 = {};
+  for (; k + kRows <= K; k += kRows) {
+    vec p[kRows] = {};
     for (int64_t f = 0; f < n8; f += 8) {
-      const vec x = load(v + f);
-      p0 += load(w0 + f) * x;
-      p1 += load(w1 + f) * x;
-      p2 += load(w2 + f) * x;
-      p3 += load(w3 + f) * x;
+      const vec x = cpu::load8(v + f);
+      for (int r = 0; r < kRows; ++r) p[r] += cpu::load8(w + (k + r) * n + f) * x;
     }
     for (int64_t f = n8; f < n; ++f) {
-      p0[f - n8] += w0[f] * v[f];
-      p1[f - n8] += w1[f] * v[f];
-      p2[f - n8] += w2[f] * v[f];
-      p3[f - n8] += w3[f] * v[f];
+      for (int r = 0; r < kRows; ++r) p[r][f - n8] += w[(k + r) * n + f] * v[f];
     }
-    y[k] = tree(p0);
-    y[k + 1] = tree(p1);
-    y[k + 2] = tree(p2);
-    y[k + 3] = tree(p3);
+    for (int r = 0; r < kRows; ++r) y[k + r] = cpu::tree8<acc_t>(p[r]);
   }
   for (; k < K; ++k) {
     const acc_t* wk = w + k * n;
     vec p = {};
-    for (int64_t f = 0; f < n8; f += 8) p += load(wk + f) * load(v + f);
+    for (int64_t f = 0; f < n8; f += 8) p += cpu::load8(wk + f) * cpu::load8(v + f);
     for (int64_t f = n8; f < n; ++f) p[f - n8] += wk[f] * v[f];
-    y[k] = tree(p);
+    y[k] = cpu::tree8<acc_t>(p);
   }
 }
 
@@ -284,8 +320,19 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
           if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
         }
         const scalar_t* xj = xs + j * HC;
-        edge_preact(z.data(), xj, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
-        head_scores(z.data(), att, slope, score.data(), H, C);
+        if constexpr (std::is_same<scalar_t, acc_t>::value) {
+          if (mode == Gatv2EdgeMode::kNone) {
+            head_scores_rows<acc_t, false>(xj, xdi.data(), nullptr, att, slope, score.data(), H, C);
+          } else if (mode == Gatv2EdgeMode::kDirect) {
+            head_scores_rows<acc_t, true>(xj, xdi.data(), ea + e * HC, att, slope, score.data(), H, C);
+          } else {
+            edge_preact(z.data(), xj, xdi.data(), mode, ea + e * ea_stride, w, K, HC);
+            head_scores(z.data(), att, slope, score.data(), H, C);
+          }
+        } else {
+          edge_preact(z.data(), xj, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+          head_scores(z.data(), att, slope, score.data(), H, C);
+        }
         // Online softmax for all heads at once (as in the GAT kernel): new maximum, the old
         // sums' rescale factor exp(old_max - new_max) and the edge's weight exp(s - new_max).
         for (int64_t h = 0; h < H; ++h) {
@@ -403,6 +450,16 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   // Pass 1, per destination in fixed chunks (one task per chunk: its partial is its own).
   at::parallel_for(0, n_chunks, 1, [&, slope, keep_scale, H, C, HC, K, mode](int64_t cbegin, int64_t cend) {
     std::vector<acc_t> xdi(HC), z(HC), dz(HC), gxd_acc(HC), gea_row(K);
+    // The last few edges' dz and edge_attr rows, for the batched grad edge_weight update.
+    std::vector<acc_t> dz_batch(want_w ? kEdgeBatch * HC : 0), ea_batch(want_w ? kEdgeBatch * K : 0);
+    int n_batch = 0;
+    auto flush_batch = [&](acc_t* pw) {
+      if (n_batch == 0) return;
+      std::fill(dz_batch.begin() + n_batch * HC, dz_batch.end(), acc_t(0));
+      std::fill(ea_batch.begin() + n_batch * K, ea_batch.end(), acc_t(0));
+      add_weight_grad_batch(pw, ea_batch.data(), dz_batch.data(), K, HC);
+      n_batch = 0;
+    };
     std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H);
     for (int64_t chunk = cbegin; chunk < cend; ++chunk) {
       acc_t* patt = want_att ? partial + chunk * partial_size : nullptr;
@@ -475,12 +532,17 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
               for (int64_t k = 0; k < K; ++k) gea[e * K + k] = static_cast<scalar_t>(gea_row[k]);
             }
           }
-          if (pw) add_weight_grad(pw, ea_e, dz.data(), K, HC);
+          if (pw) {
+            std::copy(dz.begin(), dz.end(), dz_batch.begin() + n_batch * HC);
+            for (int64_t k = 0; k < K; ++k) ea_batch[n_batch * K + k] = static_cast<acc_t>(ea_e[k]);
+            if (++n_batch == kEdgeBatch) flush_batch(pw);
+          }
         }
         if (gxd) {
           for (int64_t f = 0; f < HC; ++f) gxd[i * HC + f] = static_cast<scalar_t>(gxd_acc[f]);
         }
       }
+      if (pw) flush_batch(pw);  // a chunk's batch ends with it: the flush points are fixed
     }
   });
 

@@ -67,6 +67,11 @@ inline typename Vec8<T>::type load8(const T* p) {
   return r;
 }
 
+template <typename T>
+inline void store8(T* p, const typename Vec8<T>::type& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
 // The lanes of v summed in the fixed tree that dot() and sum8() use.
 template <typename T>
 inline T tree8(const typename Vec8<T>::type& p) {
