@@ -22,7 +22,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "../gatv2.h"
@@ -39,9 +41,8 @@ using cpu::node_grain;
 using cpu::prefetch_row;
 using cpu::sum8;
 
-// Features per register block in the edge projection: the block of z stays in vector registers
-// while the K rows of edge_weight stream past it (one load per multiply-add).
-constexpr int64_t kFeatureBlock = 32;
+// Edges whose dz rows are batched for the grad edge_weight update (see add_weight_grad_batch).
+constexpr int kEdgeBatch = 8;
 
 template <typename acc_t, typename T>
 std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
@@ -59,83 +60,192 @@ template <typename acc_t, typename TS, typename TD, typename TE>
 inline void edge_preact(acc_t* __restrict__ z, const TS* __restrict__ src_row, const TD* __restrict__ dst_row,
                         Gatv2EdgeMode mode, const TE* __restrict__ ea_row, const acc_t* __restrict__ w, int64_t K,
                         int64_t HC) {
+  for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
   if (mode == Gatv2EdgeMode::kProject) {
+    // Blocks of kVecs vectors of z stay in registers while the K rows of w stream past them:
+    // one load per multiply-add, and kVecs independent sums to hide the FMA latency.
+    using vec = typename cpu::Vec8<acc_t>::type;
+    constexpr int kVecs = sizeof(acc_t) == 4 ? 8 : 4;
+    constexpr int64_t kBlock = 8 * kVecs;
     int64_t f0 = 0;
-    for (; f0 + kFeatureBlock <= HC; f0 += kFeatureBlock) {
-      acc_t r[kFeatureBlock];
-      for (int64_t l = 0; l < kFeatureBlock; ++l)
-        r[l] = static_cast<acc_t>(src_row[f0 + l]) + static_cast<acc_t>(dst_row[f0 + l]);
+    for (; f0 + kBlock <= HC; f0 += kBlock) {
+      vec r[kVecs];
+      for (int v = 0; v < kVecs; ++v) r[v] = cpu::load8(z + f0 + 8 * v);
       for (int64_t k = 0; k < K; ++k) {
         const acc_t a = static_cast<acc_t>(ea_row[k]);
         const acc_t* wk = w + k * HC + f0;
-        for (int64_t l = 0; l < kFeatureBlock; ++l) r[l] += a * wk[l];
+        for (int v = 0; v < kVecs; ++v) r[v] += a * cpu::load8(wk + 8 * v);
       }
-      for (int64_t l = 0; l < kFeatureBlock; ++l) z[f0 + l] = r[l];
+      for (int v = 0; v < kVecs; ++v) cpu::store8(z + f0 + 8 * v, r[v]);
     }
     for (int64_t f = f0; f < HC; ++f) {
-      acc_t r = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
+      acc_t r = z[f];
       for (int64_t k = 0; k < K; ++k) r += static_cast<acc_t>(ea_row[k]) * w[k * HC + f];
       z[f] = r;
     }
     return;
   }
-  for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
   if (mode == Gatv2EdgeMode::kDirect) {
     for (int64_t f = 0; f < HC; ++f) z[f] += static_cast<acc_t>(ea_row[f]);
   }
 }
 
-// lr = leaky_relu(z) (a select, so that it vectorises) and s[h] = sum_c att[h,c] * lr[h,c]
-// in a fixed order; t is scratch of HC values.
+// s[h] = sum_c att[h,c] * leaky_relu(z[h,c]) (a select, so that it vectorises), eight lanes per
+// head combined in a fixed tree; nothing stored but the H scores. The forward and the backward
+// both score through here, so the backward's alpha = exp(s - lse) matches the forward's.
 template <typename acc_t>
 inline void head_scores(const acc_t* __restrict__ z, const acc_t* __restrict__ att, acc_t slope,
-                        acc_t* __restrict__ lr, acc_t* __restrict__ t, acc_t* __restrict__ s, int64_t H, int64_t C) {
-  const int64_t HC = H * C;
-  for (int64_t f = 0; f < HC; ++f) {
-    const acc_t v = z[f];
-    const acc_t l = v > acc_t(0) ? v : v * slope;
-    lr[f] = l;
-    t[f] = att[f] * l;
+                        acc_t* __restrict__ s, int64_t H, int64_t C) {
+  using cpu::load8;
+  using vec = typename cpu::Vec8<acc_t>::type;
+  const int64_t C8 = C / 8 * 8;
+  for (int64_t h = 0; h < H; ++h) {
+    const acc_t* zh = z + h * C;
+    const acc_t* ah = att + h * C;
+    vec part = {};
+    for (int64_t c = 0; c < C8; c += 8) {
+      const vec v = load8(zh + c);
+      const vec l = v > acc_t(0) ? v : v * slope;
+      part += load8(ah + c) * l;
+    }
+    for (int64_t c = C8; c < C; ++c) {
+      const acc_t v = zh[c];
+      part[c - C8] += ah[c] * (v > acc_t(0) ? v : v * slope);
+    }
+    s[h] = cpu::tree8<acc_t>(part);
   }
-  for (int64_t h = 0; h < H; ++h) s[h] = sum8(t + h * C, C);
 }
 
-// y[k] = <w[k, :], v> for k < K, four rows at a time (independent sums hide the add latency; v
-// is loaded once per four rows). Each y[k] is summed in dot()'s fixed 8-lane order.
+// head_scores() on z = (x_src row + x_dst row) [+ projected edge row] formed in registers: the
+// forward's path when the rows are already in the accumulation type and there is no projection.
+// Same operations in the same order as edge_preact() then head_scores(), hence the same scores.
+template <typename acc_t, bool kWithEdge>
+inline void head_scores_rows(const acc_t* __restrict__ xs, const acc_t* __restrict__ xd,
+                             const acc_t* __restrict__ ea, const acc_t* __restrict__ att, acc_t slope,
+                             acc_t* __restrict__ s, int64_t H, int64_t C) {
+  using cpu::load8;
+  using vec = typename cpu::Vec8<acc_t>::type;
+  const int64_t C8 = C / 8 * 8;
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t f0 = h * C;
+    vec part = {};
+    for (int64_t c = 0; c < C8; c += 8) {
+      vec v = load8(xs + f0 + c) + load8(xd + f0 + c);
+      if (kWithEdge) v += load8(ea + f0 + c);
+      const vec l = v > acc_t(0) ? v : v * slope;
+      part += load8(att + f0 + c) * l;
+    }
+    for (int64_t c = C8; c < C; ++c) {
+      acc_t v = xs[f0 + c] + xd[f0 + c];
+      if (kWithEdge) v += ea[f0 + c];
+      part[c - C8] += att[f0 + c] * (v > acc_t(0) ? v : v * slope);
+    }
+    s[h] = cpu::tree8<acc_t>(part);
+  }
+}
+
+// dz[h,c] = ds[h] * att[h,c] * leaky_relu'(z[h,c]). The per-element loops live in functions
+// with restrict pointers and the slope as a value: inside the kernels' lambdas GCC reloaded the
+// slope through the closure on every element (a store might alias it) and left them scalar.
+template <typename acc_t>
+inline void preact_grad(const acc_t* __restrict__ z, const acc_t* __restrict__ att, const acc_t* __restrict__ ds,
+                        acc_t slope, acc_t* __restrict__ dz, int64_t H, int64_t C) {
+  for (int64_t h = 0; h < H; ++h) {
+    const acc_t d = ds[h];
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t f = h * C + c;
+      dz[f] = d * att[f] * (z[f] > acc_t(0) ? acc_t(1) : slope);
+    }
+  }
+}
+
+// p[h,c] += ds[h] * leaky_relu(z[h,c]): an edge's share of grad att.
+template <typename acc_t>
+inline void add_att_grad(acc_t* __restrict__ p, const acc_t* __restrict__ ds, const acc_t* __restrict__ z,
+                         acc_t slope, int64_t H, int64_t C) {
+  for (int64_t h = 0; h < H; ++h) {
+    const acc_t d = ds[h];
+    for (int64_t c = 0; c < C; ++c) {
+      const acc_t v = z[h * C + c];
+      p[h * C + c] += d * (v > acc_t(0) ? v : v * slope);
+    }
+  }
+}
+
+// acc[f] += v[f]
+template <typename acc_t>
+inline void add_to(acc_t* __restrict__ acc, const acc_t* __restrict__ v, int64_t n) {
+  for (int64_t f = 0; f < n; ++f) acc[f] += v[f];
+}
+
+// p[k, f] += sum_b eab[b, k] * dzb[b, f] over a batch of kEdgeBatch edges (rows past the
+// batch's end are zero): the edges' shares of grad edge_weight, with each vector of p loaded and
+// stored once per batch instead of once per edge (per edge, the update was store-bound).
+template <typename acc_t>
+inline void add_weight_grad_batch(acc_t* __restrict__ p, const acc_t* __restrict__ eab, const acc_t* __restrict__ dzb,
+                                  int64_t K, int64_t HC) {
+  using vec = typename cpu::Vec8<acc_t>::type;
+  const int64_t HC8 = HC / 8 * 8;
+  for (int64_t f = 0; f < HC8; f += 8) {
+    vec d[kEdgeBatch];
+    for (int b = 0; b < kEdgeBatch; ++b) d[b] = cpu::load8(dzb + b * HC + f);
+    for (int64_t k = 0; k < K; ++k) {
+      vec acc = cpu::load8(p + k * HC + f);
+      for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * d[b];
+      cpu::store8(p + k * HC + f, acc);
+    }
+  }
+  for (int64_t f = HC8; f < HC; ++f) {
+    for (int64_t k = 0; k < K; ++k) {
+      acc_t acc = p[k * HC + f];
+      for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * dzb[b * HC + f];
+      p[k * HC + f] = acc;
+    }
+  }
+}
+
+// accx[h,c] += aw[h] * g[h,c] + ds[h] * att[h,c] * leaky_relu'(z[h,c]): one edge's share of grad x_src.
+template <typename acc_t, typename T>
+inline void add_src_grad(acc_t* __restrict__ accx, const acc_t* __restrict__ z, const acc_t* __restrict__ att,
+                         const T* __restrict__ g, const acc_t* __restrict__ aw, const acc_t* __restrict__ ds,
+                         acc_t slope, int64_t H, int64_t C) {
+  for (int64_t h = 0; h < H; ++h) {
+    const acc_t a = aw[h], d = ds[h];
+    for (int64_t c = 0; c < C; ++c) {
+      const int64_t f = h * C + c;
+      accx[f] += a * static_cast<acc_t>(g[f]) + d * att[f] * (z[f] > acc_t(0) ? acc_t(1) : slope);
+    }
+  }
+}
+
+// y[k] = <w[k, :], v> for k < K, eight rows at a time (independent sums hide the FMA latency; v
+// is loaded once per eight rows), each in 8 lanes combined in a fixed tree. Written with vector
+// types: as plain loops GCC vectorised across f instead and shuffled every element into place.
 template <typename acc_t>
 inline void matvec_rows(const acc_t* __restrict__ w, const acc_t* __restrict__ v, acc_t* __restrict__ y, int64_t K,
                         int64_t n) {
-  constexpr int64_t kLanes = 8;
-  auto tree = [](const acc_t* p) {
-    return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
-  };
+  using vec = typename cpu::Vec8<acc_t>::type;
+  constexpr int kRows = 8;
+  const int64_t n8 = n / 8 * 8;
   int64_t k = 0;
-  for (; k + 4 <= K; k += 4) {
-    acc_t p0[kLanes] = {}, p1[kLanes] = {}, p2[kLanes] = {}, p3[kLanes] = {};
-    const acc_t *w0 = w + k * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    int64_t f = 0;
-    for (; f + kLanes <= n; f += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const acc_t x = v[f + l];
-        p0[l] += w0[f + l] * x;
-        p1[l] += w1[f + l] * x;
-        p2[l] += w2[f + l] * x;
-        p3[l] += w3[f + l] * x;
-      }
+  for (; k + kRows <= K; k += kRows) {
+    vec p[kRows] = {};
+    for (int64_t f = 0; f < n8; f += 8) {
+      const vec x = cpu::load8(v + f);
+      for (int r = 0; r < kRows; ++r) p[r] += cpu::load8(w + (k + r) * n + f) * x;
     }
-    for (; f < n; ++f) {
-      const acc_t x = v[f];
-      p0[f % kLanes] += w0[f] * x;
-      p1[f % kLanes] += w1[f] * x;
-      p2[f % kLanes] += w2[f] * x;
-      p3[f % kLanes] += w3[f] * x;
+    for (int64_t f = n8; f < n; ++f) {
+      for (int r = 0; r < kRows; ++r) p[r][f - n8] += w[(k + r) * n + f] * v[f];
     }
-    y[k] = tree(p0);
-    y[k + 1] = tree(p1);
-    y[k + 2] = tree(p2);
-    y[k + 3] = tree(p3);
+    for (int r = 0; r < kRows; ++r) y[k + r] = cpu::tree8<acc_t>(p[r]);
   }
-  for (; k < K; ++k) y[k] = dot<acc_t>(w + k * n, v, n);
+  for (; k < K; ++k) {
+    const acc_t* wk = w + k * n;
+    vec p = {};
+    for (int64_t f = 0; f < n8; f += 8) p += cpu::load8(wk + f) * cpu::load8(v + f);
+    for (int64_t f = n8; f < n; ++f) p[f - n8] += wk[f] * v[f];
+    y[k] = cpu::tree8<acc_t>(p);
+  }
 }
 
 // Destination ranges of pass 1, each summed into its own partial of grad att / grad edge_weight,
@@ -192,7 +302,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   at::parallel_for(0, num_dst, node_grain(num_dst, E, HC * (2 + K)),
                    [&, slope, keep_scale, neg_inf, H, C, HC, K, mode](int64_t begin, int64_t end) {
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
-    std::vector<acc_t> acc(HC), xdi(HC), z(HC), lr(HC), t(HC), run_max(H), run_sum(H), score(H), ex(2 * H);
+    std::vector<acc_t> acc(HC), xdi(HC), z(HC), run_max(H), run_sum(H), score(H), ex(2 * H);
     acc_t* rescale = ex.data();
     acc_t* weight = ex.data() + H;
     for (int64_t i = begin; i < end; ++i) {
@@ -210,8 +320,19 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
           if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
         }
         const scalar_t* xj = xs + j * HC;
-        edge_preact(z.data(), xj, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
-        head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+        if constexpr (std::is_same<scalar_t, acc_t>::value) {
+          if (mode == Gatv2EdgeMode::kNone) {
+            head_scores_rows<acc_t, false>(xj, xdi.data(), nullptr, att, slope, score.data(), H, C);
+          } else if (mode == Gatv2EdgeMode::kDirect) {
+            head_scores_rows<acc_t, true>(xj, xdi.data(), ea + e * HC, att, slope, score.data(), H, C);
+          } else {
+            edge_preact(z.data(), xj, xdi.data(), mode, ea + e * ea_stride, w, K, HC);
+            head_scores(z.data(), att, slope, score.data(), H, C);
+          }
+        } else {
+          edge_preact(z.data(), xj, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+          head_scores(z.data(), att, slope, score.data(), H, C);
+        }
         // Online softmax for all heads at once (as in the GAT kernel): new maximum, the old
         // sums' rescale factor exp(old_max - new_max) and the edge's weight exp(s - new_max).
         for (int64_t h = 0; h < H; ++h) {
@@ -250,7 +371,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];
           edge_preact(z.data(), xs + j * HC, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
-          head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+          head_scores(z.data(), att, slope, score.data(), H, C);
           for (int64_t h = 0; h < H; ++h) weight[h] = score[h] - lse_p[i * H + h];
           exp_inplace(weight, H);
           for (int64_t h = 0; h < H; ++h) {
@@ -328,7 +449,17 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
 
   // Pass 1, per destination in fixed chunks (one task per chunk: its partial is its own).
   at::parallel_for(0, n_chunks, 1, [&, slope, keep_scale, H, C, HC, K, mode](int64_t cbegin, int64_t cend) {
-    std::vector<acc_t> xdi(HC), z(HC), lr(HC), t(HC), dz(HC), gxd_acc(HC), gea_row(K);
+    std::vector<acc_t> xdi(HC), z(HC), dz(HC), gxd_acc(HC), gea_row(K);
+    // The last few edges' dz and edge_attr rows, for the batched grad edge_weight update.
+    std::vector<acc_t> dz_batch(want_w ? kEdgeBatch * HC : 0), ea_batch(want_w ? kEdgeBatch * K : 0);
+    int n_batch = 0;
+    auto flush_batch = [&](acc_t* pw) {
+      if (n_batch == 0) return;
+      std::fill(dz_batch.begin() + n_batch * HC, dz_batch.end(), acc_t(0));
+      std::fill(ea_batch.begin() + n_batch * K, ea_batch.end(), acc_t(0));
+      add_weight_grad_batch(pw, ea_batch.data(), dz_batch.data(), K, HC);
+      n_batch = 0;
+    };
     std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H);
     for (int64_t chunk = cbegin; chunk < cend; ++chunk) {
       acc_t* patt = want_att ? partial + chunk * partial_size : nullptr;
@@ -349,7 +480,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             const int64_t j = idx[e];
             TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
             edge_preact(z.data(), xs + j * HC, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
-            head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+            head_scores(z.data(), att, slope, score.data(), H, C);
             for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
             exp_inplace(alphas.data(), H);
             for (int64_t h = 0; h < H; ++h) {
@@ -369,7 +500,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
           const scalar_t* xj = xs + j * HC;
           const scalar_t* ea_e = ea ? ea + e * ea_stride : ea;
           edge_preact(z.data(), xj, xdi.data(), mode, ea_e, w, K, HC);
-          head_scores(z.data(), att, slope, lr.data(), t.data(), score.data(), H, C);
+          head_scores(z.data(), att, slope, score.data(), H, C);
           for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
           exp_inplace(alphas.data(), H);
           if (mk) {
@@ -389,25 +520,10 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
               aw_ws[e * H + h] = alphas[h] * keeps[h];
             }
           }
-          if (patt) {
-            for (int64_t h = 0; h < H; ++h) {
-              const acc_t d = ds[h];
-              acc_t* p = patt + h * C;
-              const acc_t* l = lr.data() + h * C;
-              for (int64_t c = 0; c < C; ++c) p[c] += d * l[c];
-            }
-          }
+          if (patt) add_att_grad(patt, ds.data(), z.data(), slope, H, C);
           if (!need_dz) continue;
-          for (int64_t h = 0; h < H; ++h) {
-            const acc_t d = ds[h];
-            const acc_t* zh = z.data() + h * C;
-            const acc_t* ah = att + h * C;
-            acc_t* dzh = dz.data() + h * C;
-            for (int64_t c = 0; c < C; ++c) dzh[c] = d * ah[c] * (zh[c] > acc_t(0) ? acc_t(1) : slope);
-          }
-          if (gxd) {
-            for (int64_t f = 0; f < HC; ++f) gxd_acc[f] += dz[f];
-          }
+          preact_grad(z.data(), att, ds.data(), slope, dz.data(), H, C);
+          if (gxd) add_to(gxd_acc.data(), dz.data(), HC);
           if (gea) {
             if (mode == Gatv2EdgeMode::kDirect) {
               for (int64_t f = 0; f < HC; ++f) gea[e * HC + f] = static_cast<scalar_t>(dz[f]);
@@ -417,17 +533,16 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             }
           }
           if (pw) {
-            for (int64_t k = 0; k < K; ++k) {
-              const acc_t ak = static_cast<acc_t>(ea_e[k]);
-              acc_t* pk = pw + k * HC;
-              for (int64_t f = 0; f < HC; ++f) pk[f] += ak * dz[f];
-            }
+            std::copy(dz.begin(), dz.end(), dz_batch.begin() + n_batch * HC);
+            for (int64_t k = 0; k < K; ++k) ea_batch[n_batch * K + k] = static_cast<acc_t>(ea_e[k]);
+            if (++n_batch == kEdgeBatch) flush_batch(pw);
           }
         }
         if (gxd) {
           for (int64_t f = 0; f < HC; ++f) gxd[i * HC + f] = static_cast<scalar_t>(gxd_acc[f]);
         }
       }
+      if (pw) flush_batch(pw);  // a chunk's batch ends with it: the flush points are fixed
     }
   });
 
@@ -457,7 +572,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     const index_t* rdst = b.rev_dst.data_ptr<index_t>();
     at::parallel_for(0, num_src, node_grain(num_src, E, HC * (2 + K)),
                      [&, slope, H, C, HC, K, mode](int64_t begin, int64_t end) {
-      std::vector<acc_t> accx(HC), z(HC);
+      std::vector<acc_t> accx(HC), z(HC), aw(H), dsh(H);
       for (int64_t j = begin; j < end; ++j) {
         std::fill(accx.begin(), accx.end(), acc_t(0));
         const scalar_t* xj = xs + j * HC;
@@ -479,16 +594,11 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             }
           }
           edge_preact(z.data(), xj, xd + i * HC, mode, ea ? ea + e * ea_stride : ea, w, K, HC);
-          const scalar_t* gi = g + i * HC;
           for (int64_t h = 0; h < H; ++h) {
-            const acc_t aw = aw_ws[e * H + h], d = ds_ws[e * H + h];
-            const acc_t* zh = z.data() + h * C;
-            const acc_t* ah = att + h * C;
-            const scalar_t* gih = gi + h * C;
-            acc_t* xh = accx.data() + h * C;
-            for (int64_t c = 0; c < C; ++c)
-              xh[c] += aw * static_cast<acc_t>(gih[c]) + d * ah[c] * (zh[c] > acc_t(0) ? acc_t(1) : slope);
+            aw[h] = aw_ws[e * H + h];
+            dsh[h] = ds_ws[e * H + h];
           }
+          add_src_grad(accx.data(), z.data(), att, g + i * HC, aw.data(), dsh.data(), slope, H, C);
         }
         for (int64_t f = 0; f < HC; ++f) gxs[j * HC + f] = static_cast<scalar_t>(accx[f]);
       }

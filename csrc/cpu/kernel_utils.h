@@ -51,6 +51,33 @@ inline acc_t sum8(const acc_t* a, int64_t n) {
   return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
 }
 
+// Eight values in one (or, for double, two) vector registers, with GCC/Clang vector types: the
+// plain-loop form of some reductions was vectorised across the outer loop, with a shuffle per
+// element. Loads and stores are unaligned (memcpy compiles to one vmovups).
+// (A struct typedef: GCC drops the attribute from an alias template of a dependent type.)
+template <typename T>
+struct Vec8 {
+  typedef T type __attribute__((vector_size(8 * sizeof(T))));
+};
+
+template <typename T>
+inline typename Vec8<T>::type load8(const T* p) {
+  typename Vec8<T>::type r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+template <typename T>
+inline void store8(T* p, const typename Vec8<T>::type& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+// The lanes of v summed in the fixed tree that dot() and sum8() use.
+template <typename T>
+inline T tree8(const typename Vec8<T>::type& p) {
+  return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+}
+
 // A CSC pointer array must start at 0 and end at E: per-node checks of non-decreasing ranges
 // inside [0, E] would still let edges past ptr[n] go unvisited by one pass and visited by another.
 template <typename index_t>
