@@ -9,7 +9,13 @@
 // same code serves CPU and CUDA on the current stream; the op is CompositeExplicitAutograd and
 // its autograd lives in Python (ContractFunction), whose backward calls
 // contract_program_backward: it recomputes one slice at a time, keeping only that slice's
-// intermediates, and accumulates each operand's gradient across slices.
+// intermediates (segment by segment between CHECKPOINTs), writes each intermediate's gradient
+// over the intermediate (so the backward holds no more than the recomputed slice), and
+// accumulates each operand's gradient across slices. contract_program_accumulate adds the
+// gradients of further slice chunks into the same buffers and, for a one-element output, runs
+// each slice's forward and backward in one pass (the value and the gradients under a unit
+// cotangent), saving the recomputation. The planner's memory model of all this is
+// torch_gradops/tensornet/slicer.py's memory_model.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>

@@ -215,9 +215,9 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
     """``(program, steps)``: the :class:`~.program.Program` of ``path`` over the network
     ``inputs -> output`` (mode ids, extents ``sizes``) with ``sliced`` modes selected and a
     CHECKPOINT before each step in ``checkpoints``; and per step, for one slice: (multiply-adds,
-    result elements, GEMM operand elements, elements of intermediate operands it copies into
-    GEMM layout, whether its result is copied by the step that reads it) -- the last two for
-    the memory model (:func:`~.slicer.memory_model`)."""
+    result elements, GEMM operand elements, the steps whose results it copies into GEMM layout,
+    whether its result is copied by the step that reads it) -- the last two for the memory
+    model (:func:`~.slicer.memory_model`)."""
     slot_of_k = {m: k for k, m in enumerate(sliced)}
     sset = set(sliced)
     instrs: List = []
@@ -294,13 +294,12 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         instrs.append(fmt.Contract(sx, sy, nslot, px, py, tx, ty, bt, mm, kk, nn, tuple(sizes[m] for m in cm)))
         for m in cm:
             count[m] += 1
-        copied = 0
+        copied = []
         for side, cp in ((sa, copy_a), (sb, copy_b)):
-            if side >= n_in:
-                if cp:
-                    copied += math.prod(sizes[m] for m in lay[side][0])
-                    result_copied[side - n_in] = True
-        steps.append([bt * mm * kk * nn, bt * mm * nn, bt * kk * (mm + nn), copied, False])
+            if side >= n_in and cp:
+                copied.append(side - n_in)
+                result_copied[side - n_in] = True
+        steps.append([bt * mm * kk * nn, bt * mm * nn, bt * kk * (mm + nn), tuple(copied), False])
         lay.append((cm, _contiguous_strides(cm, sizes)))
         cur.append(nslot)
         nslot += 1

@@ -1,18 +1,19 @@
-"""Contraction paths: cotengra's hyper-optimised, slicing-aware search (the default for all but
-the smallest networks), opt_einsum's optimizers, cotengra optimizer objects and explicit paths.
+"""Contraction paths: cotengra's hyper-optimised, slicing-aware search (the default for networks
+worth searching), opt_einsum's optimizers, cotengra optimizer objects and explicit paths.
 
 A path is opt_einsum's linear format: a list of pairs of positions in the current operand list;
 the pair's result goes to the end of the list.
 
 ``optimize="auto"``: networks of up to :data:`SMALL` operands take opt_einsum's choice (exact or
-branch-and-bound; milliseconds); larger ones a ``cotengra.HyperOptimizer`` search over greedy
-trees, each sliced by cotengra to the memory limit (``slicing_opts``, or ``slicing_reconf_opts``
--- slicing interleaved with subtree reconfiguration -- for networks that slicing makes expensive),
-scored by :class:`PlanObjective`, the executor's cost of the sliced tree including the
-backward's recomputation and any further slicing its memory model needs. The budget
-(:func:`search_budget`) grows with the network: a few milliseconds for a handful of tensors, at
-most a few seconds for a 6x6 lattice. The search is seeded (:data:`SEED`) and has no time limit,
-so it is deterministic: every rank of a process group finds the same plan.
+branch-and-bound; milliseconds). Larger ones first get opt_einsum's greedy path, whose cost sets
+the search budget (:func:`search_budget`: about a quarter of the estimated forward + backward
+time, at most 2 s, so a contraction of milliseconds is not searched for seconds); with a budget
+of two trials or more, a ``cotengra.HyperOptimizer`` search over greedy trees, each sliced by
+cotengra to the memory limit and to fractions of it down to 1/256 (as the budget allows), scored
+by :class:`PlanObjective`: the executor's forward + backward work of the sliced tree, with the
+backward's recomputation and a charge for any further slicing its memory model needs. The
+search is seeded (:data:`SEED`) and its budget counts trials, not seconds, so it is
+deterministic: every rank of a process group finds the same plan.
 
 An opt-in on-disk cache of searched paths (cotengra's ``ReusableHyperOptimizer``), keyed by the
 network and the options that shape the path, lets a new process skip the search: pass
@@ -24,6 +25,7 @@ import hashlib
 import math
 import os
 import random
+import time
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -57,20 +59,22 @@ def symbols(sizes):
     return {m: opt_einsum.get_symbol(m) for m in sizes}
 
 
-def search_budget(n_operands: int) -> dict:
-    """The hyper-search's budget for a network of ``n_operands`` tensors: trials (each a greedy
-    tree, sliced and scored) that cost about a millisecond per operand each on one CPU core, so
-    ~0.1 s for 25 tensors and ~1-2 s for a 6x6 lattice; fewer trials for very large networks
-    (each one costs more)."""
-    if n_operands <= 16:
-        repeats = 16
-    elif n_operands <= 64:
-        repeats = 32
-    elif n_operands <= 256:
-        repeats = 16
-    else:
-        repeats = 4
-    return {"max_repeats": repeats}
+NOMINAL_FLOP_RATE = 5e10  # FLOP/s assumed by the search budget (a constant: the budget must not depend on timing)
+SEARCH_FRACTION = 0.25    # of the estimated forward + backward time, at most MAX_SEARCH_S
+MAX_SEARCH_S = 2.0
+TRIAL_S_PER_OPERAND = 5e-4  # about what one greedy trial, sliced and scored, costs per operand
+
+
+def search_budget(n_operands: int, flops: float) -> dict:
+    """The hyper-search's budget for a network of ``n_operands`` tensors whose greedy path
+    costs ``flops`` (forward, real FLOPs): trials worth about a quarter of the estimated forward
+    + backward time at :data:`NOMINAL_FLOP_RATE` (at most :data:`MAX_SEARCH_S` seconds), so a
+    contraction that takes milliseconds is not searched for seconds, and at most 32 trials (16
+    beyond 64 operands, 4 beyond 256). Depends only on the network: deterministic."""
+    cap = 32 if n_operands <= 64 else 16 if n_operands <= 256 else 4
+    budget_s = min(MAX_SEARCH_S, SEARCH_FRACTION * 3 * flops / NOMINAL_FLOP_RATE)
+    repeats = int(budget_s / (TRIAL_S_PER_OPERAND * n_operands))
+    return {"max_repeats": max(0, min(cap, repeats))}
 
 
 class PlanObjective(FlopsObjective):
@@ -118,7 +122,6 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
     """Run cotengra optimizers on integer modes (cotengra wants single-character symbols) and
     keep the best tree by ``score`` (its own score for a single optimizer object); each
     through a ``ReusableHyperOptimizer`` on ``cache_dir`` when given (HyperOptimizer options)."""
-    import time
     sym = symbols(sizes)
     back = {v: k for k, v in sym.items()}
     c_in = [[sym[m] for m in t] for t in inputs]
@@ -143,56 +146,74 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
                       time.perf_counter() - t0 if searched else 0.0)
 
 
-def hyper_options(n_operands, limit_elems, min_slices, objective) -> List[dict]:
-    """The ``HyperOptimizer`` options of the default search: without a limit one search with
-    subtree reconfiguration; with one, searches slicing to the limit and to 1/4 and 1/16 of it
-    (the backward's memory may need a tree whose intermediates are well below the limit), the
-    trials shared between them."""
-    budget = search_budget(n_operands)
+def hyper_options(budget: dict, limit_elems, min_slices, objective) -> List[dict]:
+    """The ``HyperOptimizer`` options of the default search: without a limit one search; with
+    one, searches slicing to the limit and (given 4 trials or more) to 1/16 of it, (given 16 or
+    more) to 1/4, 1/16, 1/64 and 1/256 of it: the backward's memory may need a tree whose
+    intermediates are well below the limit. The trials are shared between them."""
+    repeats = budget["max_repeats"]
     base = dict(methods=["greedy"], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED})
     if limit_elems is None and not min_slices:
-        return [dict(base, reconf_opts={}, **budget)]
+        return [dict(base, max_repeats=repeats)]
     out = []
-    targets = [limit_elems] if limit_elems is None else \
-        sorted({max(1, int(limit_elems) // d) for d in (1, 4, 16)}, reverse=True)
+    divisors = (1, 4, 16, 64, 256) if repeats >= 16 else (1, 16) if repeats >= 4 else (1,)
+    targets = [None] if limit_elems is None else sorted({max(1, int(limit_elems) // d) for d in divisors},
+                                                        reverse=True)
     for target in targets:
         slicing = {"max_repeats": 4}
         if target is not None:
             slicing["target_size"] = target
         if min_slices:
             slicing["target_slices"] = int(min_slices)
-        out.append(dict(base, slicing_opts=slicing, max_repeats=max(4, budget["max_repeats"] // len(targets))))
+        out.append(dict(base, slicing_opts=slicing, max_repeats=max(1, repeats // len(targets))))
     return out
 
 
+def _greedy_flops(inputs, output, sizes, path) -> float:
+    from .slicer import step_costs, step_table
+    return 2.0 * step_costs(step_table(inputs, output, path), sizes, ()).flops()
+
+
 def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_slices: Optional[int],
-              objective: Optional[Callable] = None, path_cache=None) -> PathResult:
+              objective: Optional[Callable] = None, path_cache=None, select: Optional[Callable] = None) -> PathResult:
     """The path for the network ``inputs -> output`` (mode ids, extents ``sizes``).
 
     ``optimize``: "auto" (see the module docstring), "greedy" (opt_einsum's, fast), "optimal",
     any opt_einsum path-optimizer name, "cotengra" (the "auto" hyper-search at any size), a
     cotengra optimizer object, or an explicit path. ``objective``: ``tree -> work`` for
-    :class:`PlanObjective`; ``path_cache``: the on-disk cache's directory (None:
-    ``$TORCH_GRADOPS_PATH_CACHE`` or no disk cache)."""
+    :class:`PlanObjective`; ``select``: ``tree -> work``, exact (after any further slicing),
+    to choose between the searches' best trees; ``path_cache``: the on-disk cache's directory
+    (None: ``$TORCH_GRADOPS_PATH_CACHE`` or no disk cache)."""
     n = len(inputs)
     if n == 1:
         return PathResult([], None, "single", False)
     if isinstance(optimize, str):
         name = optimize
-        if name == "auto":
-            name = "auto" if n <= SMALL else "cotengra"
+        budget = None
+        if name == "auto" and n > SMALL:
+            # as much search as the contraction is worth: a greedy path first tells how much
+            t0 = time.perf_counter()
+            greedy = [tuple(p) for p in opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output),
+                                                               dict(sizes))]
+            budget = search_budget(n, _greedy_flops(inputs, output, sizes, greedy))
+            if budget["max_repeats"] < 2:
+                return PathResult(greedy, None, "greedy", True, time.perf_counter() - t0)
+            name = "cotengra"
+        elif name == "auto":
+            name = "auto"
         if name == "cotengra":
+            if budget is None:
+                budget = {"max_repeats": 32 if n <= 64 else 16 if n <= 256 else 4}
             obj = PlanObjective(objective) if objective is not None else "flops"
-            opts = hyper_options(n, limit_elems, min_slices, obj)
+            opts = hyper_options(budget, limit_elems, min_slices, obj)
             key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k != "minimize")) for o in opts)
             return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
-                                    score=(lambda tree: obj(dict(tree=tree))) if objective is not None else None)
+                                    score=select)
         try:
             fn = opt_einsum.paths.get_path_fn(name)
         except KeyError:
             raise ValueError(f"optimize must be 'auto', 'greedy', 'optimal', 'cotengra', an opt_einsum "
                              f"path-optimizer name or an explicit path, got {optimize!r}") from None
-        import time
         t0 = time.perf_counter()
         path = fn([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
         return PathResult([tuple(p) for p in path], None, optimize, True, time.perf_counter() - t0)

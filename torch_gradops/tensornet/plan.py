@@ -275,6 +275,7 @@ class _Slicing:
         self.forced = list(forced)
         self.is_complex = is_complex
         self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems
+        self._final = {}
 
     def excess(self, copies=None):
         def fits(sset, costs):
@@ -289,6 +290,30 @@ class _Slicing:
         sliced = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start,
                                       self.excess(copies))
         return steps, sliced
+
+    def finalize(self, path, suggested=(), itemsize=8):
+        """``(steps, sliced, checkpoints, copies)`` for a path: sliced to the limit, then, with
+        the compiled layout's copies in the memory model, checkpoints, slicing further while no
+        placement fits the cap. Memoised per path (the search's candidates, then the plan)."""
+        key = (tuple(map(tuple, path)), tuple(suggested or ()), itemsize)
+        if key in self._final:
+            return self._final[key]
+        net = self.network
+        steps, sliced = self.choose(path, suggested)
+        for _ in range(4):
+            costs = slicer.step_costs(steps, net.sizes, sliced)
+            copies = _copies(net, path, sliced, itemsize, self.is_complex)
+            peak, checkpoints, recompute = slicer.place_checkpoints(costs, self.cap, copies, self.is_complex)
+            if self.cap is None or peak <= self.cap:
+                break
+            more = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, sliced,
+                                        self.excess(copies))
+            if more == sliced:
+                break
+            sliced = more
+        work = math.prod(net.sizes[m] for m in sliced) * (3.0 * costs.flops() + recompute)
+        self._final[key] = (steps, sliced, checkpoints, copies, work)
+        return self._final[key]
 
     def work(self, path, suggested=()) -> float:
         """The search's score: multiply-adds of forward + backward over all slices, with the
@@ -330,21 +355,13 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     def score_tree(tree):
         return slicing_.work([tuple(p) for p in tree.get_path()], [sym_back[s] for s in tree.sliced_inds])
 
+    def select_tree(tree):
+        path = [tuple(p) for p in tree.get_path()]
+        return slicing_.finalize(path, [sym_back[s] for s in tree.sliced_inds], itemsize)[-1]
+
     found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
-                            objective=score_tree, path_cache=path_cache)
-    steps, sliced = slicing_.choose(found.path, found.sliced)
-    for _ in range(4):
-        # the compiled layout tells which intermediates get copied: the memory model's last word
-        costs = slicer.step_costs(steps, network.sizes, sliced)
-        copies = _copies(network, found.path, sliced, itemsize, dtype.is_complex)
-        peak, checkpoints, _ = slicer.place_checkpoints(costs, slicing_.cap, copies, dtype.is_complex)
-        if slicing_.cap is None or peak <= slicing_.cap:
-            break
-        more = slicer.choose_sliced(steps, network.sizes, network.output, limit_elems, min_slices, sliced,
-                                    slicing_.excess(copies))
-        if more == sliced:
-            break
-        sliced = more
+                            objective=score_tree, path_cache=path_cache, select=select_tree)
+    steps, sliced, checkpoints, copies, _ = slicing_.finalize(found.path, found.sliced, itemsize)
     plan = ContractionPlan(expr=expr if expr is not None else parser.describe(terms, out),
                            inputs=[tuple(t) for t in terms], output=tuple(out), shapes=shapes, dtype=dtype,
                            device_type=device_type, network=network, path=found.path, sliced=sliced,

@@ -140,19 +140,31 @@ def step_costs(steps, sizes, sliced) -> StepCosts:
 
 # ---------------------------------------------------------------------------- memory model
 def _transients(costs: StepCosts, copies=None, complex_=False) -> List[int]:
-    """Per step, what its backward holds briefly beyond the slice's intermediates: the gradient
-    of the smaller operand (the larger one is written over its own operand), a contiguous copy
-    of the result's gradient when its consumer copied the result, and for complex dtypes a
-    conjugated copy of one operand."""
+    """Per step, what it holds briefly beyond the slice's intermediates: in the forward, the
+    copies of intermediate operands it lays out for the GEMM (the original is freed after the
+    step); in the backward, the gradient of the smaller operand (the larger one is written over
+    its own operand), a contiguous copy of the result's gradient when its reader copied the
+    result, and for complex dtypes a conjugated copy of one operand."""
     out = []
     for j, (ia, ib) in enumerate(costs.inputs):
         t = min(ia, ib)
-        if copies is not None and copies[j][1]:
-            t += costs.result[j]
+        if copies is not None:
+            if copies[j][1]:
+                t += costs.result[j]
+            t = max(t, sum(costs.result[p] for p in copies[j][0]))
         if complex_:
             t += max(ia, ib)
         out.append(t)
     return out
+
+
+def _segment_items(costs: StepCosts, copies, lo, hi) -> int:
+    """Elements a segment's recomputation holds: its steps' results, and the copies it makes of
+    intermediates from earlier segments (whose originals the checkpoint keeps)."""
+    held = sum(costs.result[lo:hi])
+    if copies is not None:
+        held += sum(costs.result[p] for j in range(lo, hi) for p in copies[j][0] if p < lo)
+    return held
 
 
 def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None, complex_=False) -> int:
@@ -167,21 +179,19 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     an intermediate's memory lives from its creation to the backward of the step that made it,
     and while segment ``s`` is processed the executor holds every intermediate of ``s``, the
     intermediates of earlier segments that later segments read (checkpointed), and one step's
-    transients (:func:`_transients`). ``copies``: per step ``(copied intermediate input
-    elements, result copied by its consumer)`` from the compiler, else none assumed."""
+    transients (:func:`_transients`). ``copies``: per step (the steps whose results it copies,
+    whether its result is copied by its reader), from the compiler; None: no copies."""
     n = len(costs.result)
     if n == 0:
         return 0
     bounds = sorted(set(checkpoints) | {0}) + [n]
     trans = _transients(costs, copies, complex_)
-    extra = [copies[j][0] for j in range(n)] if copies is not None else [0] * n
     peak, cross = 0, 0
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
         if lo >= hi:
             continue
-        held = sum(costs.result[j] + extra[j] for j in range(lo, hi))
-        peak = max(peak, cross + held + max(trans[lo:hi]))
+        peak = max(peak, cross + _segment_items(costs, copies, lo, hi) + max(trans[lo:hi]))
         cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
     return peak
 
@@ -200,8 +210,7 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0
     trans = _transients(costs, copies, complex_)
-    extra = [copies[j][0] for j in range(n)] if copies is not None else [0] * n
-    item = [costs.result[j] + extra[j] for j in range(n)]
+    item = list(costs.result)
     # live(b): intermediates made before step b and read at or after it (all checkpointed)
     consumed_at = [0] * (n + 1)
     for j in range(n):
@@ -220,7 +229,7 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         prefix_macs += costs.macs[b - 1]
         if live[b] + tail_held[b] + tail_trans[b] > cap:
             continue  # even with nothing else checkpointed the last segment does not fit
-        bounds = _greedy_segments(costs, item, trans, b, cap)
+        bounds = _greedy_segments(costs, copies, trans, b, cap)
         if bounds is None:
             continue
         peak = memory_model(costs, bounds, copies, complex_)
@@ -236,18 +245,20 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     return best
 
 
-def _greedy_segments(costs, item, trans, last, cap) -> Optional[List[int]]:
+def _greedy_segments(costs, copies, trans, last, cap) -> Optional[List[int]]:
     """Boundaries of segments covering steps ``[0, last)`` (each as long as ``cap`` allows) and
     ``last``; None when a single step does not fit."""
     bounds, cross, lo = [], 0, 0
     while lo < last:
-        held, tmax, hi = 0, 0, lo
-        while hi < last:
-            h2, t2 = held + item[hi], max(tmax, trans[hi])
-            if cross + h2 + t2 > cap and hi > lo:
+        hi, fit = lo + 1, None
+        while hi <= last:
+            need = cross + _segment_items(costs, copies, lo, hi) + max(trans[lo:hi])
+            if need > cap and hi > lo + 1:
                 break
-            held, tmax, hi = h2, t2, hi + 1
-        if cross + held + tmax > cap:
+            fit = (hi, need)
+            hi += 1
+        hi, need = fit
+        if need > cap:
             return None
         if lo:
             bounds.append(lo)
