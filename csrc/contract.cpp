@@ -9,13 +9,20 @@
 // same code serves CPU and CUDA on the current stream; the op is CompositeExplicitAutograd and
 // its autograd lives in Python (ContractFunction), whose backward calls
 // contract_program_backward: it recomputes one slice at a time, keeping only that slice's
-// intermediates, and accumulates each operand's gradient across slices.
+// intermediates (segment by segment between CHECKPOINTs), writes each intermediate's gradient
+// over the intermediate (so the backward holds no more than the recomputed slice), and
+// accumulates each operand's gradient across slices. contract_program_accumulate adds the
+// gradients of further slice chunks into the same buffers and, for a one-element output, runs
+// each slice's forward and backward in one pass (the value and the gradients under a unit
+// cotangent), saving the recomputation. The planner's memory model of all this is
+// torch_gradops/tensornet/slicer.py's memory_model.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 
 #include <algorithm>
+#include <optional>
 #include <vector>
 
 #include "checks.h"
@@ -207,7 +214,19 @@ at::Tensor block_of(at::Tensor t, const Instr& fin, const int64_t* idx) {
 struct Saved {
   at::Tensor a3, b3;
   std::vector<int64_t> shape_a, shape_b;  // after permute, before reshape
+  // The stored operand owns its memory (a fresh intermediate of this slice or a copy, contiguous,
+  // not kept by the forward's cache): the backward may overwrite it with its own gradient, which
+  // keeps the backward's memory that of the recomputed slice.
+  bool a_owned = false, b_owned = false;
 };
+
+// Whether a stored GEMM operand may be overwritten by its gradient: contiguous, without a conj
+// bit, and either a copy of its slot or a view of an intermediate (intermediates are created per
+// slice and read once; operands belong to the caller).
+bool owns(const at::Tensor& stored, const at::Tensor& slot, bool slot_is_intermediate) {
+  if (!stored.is_contiguous() || stored.is_conj() || stored.is_neg()) return false;
+  return slot_is_intermediate || !stored.is_alias_of(slot);
+}
 
 // kRun: the forward. kRecord: the forward, also keeping in `saved` the GEMM operands that the
 // gradients of the slots in `needs` use. kBackward: as kRecord but without the last GEMM (the
@@ -278,12 +297,15 @@ at::Tensor run_range(const Program& P, State& st, const int64_t* idx, Mode mode,
           }
           Saved& s = (*saved)[t];
           // dA needs B and dB needs A; keep only what an operand that needs a gradient uses.
+          const bool replay = mode == Mode::kReplay;
           if ((*needs)[in.a]) {
             s.b3 = b3;
+            s.b_owned = !replay && owns(b3, slots[in.b], in.b >= P.n_operands);
             for (int64_t d : in.perm_a) s.shape_a.push_back(shp[in.a][d]);
           }
           if ((*needs)[in.b]) {
             s.a3 = a3;
+            s.a_owned = !replay && owns(a3, slots[in.a], in.a >= P.n_operands);
             for (int64_t d : in.perm_b) s.shape_b.push_back(shp[in.b][d]);
           }
           shp[in.c] = in.shape_c;
@@ -399,37 +421,61 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::Tens
   return {out, keep};
 }
 
-// Gradients of sum_rows(program(operands)) under grad_out, for the operands flagged in
-// needs_grad (the others come back as empty tensors, at no cost). Complex follows PyTorch's
-// convention (grad_A = grad_C @ B^H, as torch.matmul's backward).
-std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::IntArrayRef program,
-                                                  at::IntArrayRef slice_table, const at::Tensor& grad_out,
-                                                  at::IntArrayRef needs_grad, at::TensorList cached) {
-  check_operands(operands);
-  const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
+namespace {
+
+// The stored-layout gradients of one CONTRACT (C = A B): dA = dC B^H and dB = A^H dC (torch.matmul's
+// complex convention), written into the stored operand's own memory where it owns it (its value is
+// not needed once both gradients exist), so the backward holds no more than the recomputed slice.
+void contract_grads(const Instr& in, Saved& s, const at::Tensor& gc3, bool need_a, bool need_b, at::Tensor& ga,
+                    at::Tensor& gb) {
+  auto grad_a = [&](at::Tensor* into) {
+    // [Bt,K,M] when transposed: (dC B^H)^T = conj(B) dC^T
+    at::Tensor x = in.ta ? gemm_b(s.b3, in).conj() : gc3;
+    at::Tensor y = in.ta ? gc3.transpose(1, 2) : gemm_b(s.b3, in).mH();
+    return into ? at::bmm_out(*into, x, y) : at::bmm(x, y);
+  };
+  auto grad_b = [&](at::Tensor* into) {
+    // [Bt,N,K] when transposed: (A^H dC)^T = dC^T conj(A)
+    at::Tensor x = in.tb ? gc3.transpose(1, 2) : gemm_a(s.a3, in).mH();
+    at::Tensor y = in.tb ? gemm_a(s.a3, in).conj() : gc3;
+    return into ? at::bmm_out(*into, x, y) : at::bmm(x, y);
+  };
+  if (need_a && need_b) {
+    // The second gradient may overwrite the operand the first one read.
+    const bool a_last = s.a_owned && (!s.b_owned || s.a3.numel() >= s.b3.numel());
+    if (a_last) {
+      gb = grad_b(nullptr);
+      ga = grad_a(&s.a3);
+    } else {
+      ga = grad_a(nullptr);
+      gb = s.b_owned ? grad_b(&s.b3) : grad_b(nullptr);
+    }
+  } else if (need_a) {
+    ga = grad_a(nullptr);
+  } else if (need_b) {
+    gb = grad_b(nullptr);
+  }
+  if (ga.defined()) ga = ga.resolve_conj();
+  if (gb.defined()) gb = gb.resolve_conj();
+}
+
+// Adds into `grads` (one entry per operand; undefined or empty: not wanted) the gradients of the
+// sum over the slice-table rows of program(operands) under grad_out; with `value` the rows'
+// results are also added into it (the last segment then runs as a recording forward, so the
+// value costs only the final GEMM). `cached`: the GEMM operands of contract_program_cached
+// (a single row) instead of recomputing.
+void accumulate_gradients(const Program& P, at::TensorList operands, at::IntArrayRef slice_table,
+                          const at::Tensor& grad_out, const std::vector<char>& needs, at::TensorList cached,
+                          std::vector<at::Tensor>& grads, at::Tensor* value) {
   const int64_t rows = num_rows(P, slice_table);
-  TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
-              "contract_program_backward: needs_grad must have one entry per operand");
-  check_shape(grad_out, P.out_shape, "grad_out");
-  check_same_device(operands[0], "operand 0", grad_out, "grad_out");
   const Instr& fin = P.instrs.back();
-
-  const std::vector<char> needs = slot_needs(P, needs_grad);
-
-  std::vector<at::Tensor> grads(P.n_operands);
-  for (int64_t i = 0; i < P.n_operands; ++i)
-    grads[i] = needs[i] ? at::zeros_like(operands[i], at::MemoryFormat::Contiguous).resolve_conj()
-                        : at::empty({0}, operands[i].options());
-  if (!needs[fin.slot] || rows == 0) return grads;
-
-  const at::Tensor g_out = grad_out.scalar_type() == operands[0].scalar_type()
-                               ? grad_out
-                               : grad_out.to(operands[0].scalar_type());
+  if (!needs[fin.slot] && value == nullptr) return;
   std::vector<at::Tensor> g(P.n_slots);
   std::vector<Saved> saved(P.instrs.size());
   std::vector<std::vector<int64_t>> sum_shapes(P.instrs.size());
   const std::vector<int64_t> fin_inv = inverse(fin.perm);
   TORCH_CHECK(cached.empty() || rows == 1, "contract_program_backward: cached GEMM operands need a single slice");
+  TORCH_CHECK(cached.empty() || value == nullptr, "contract_program: no value with cached GEMM operands");
   // Segments between CHECKPOINTs (one segment without them, or with the forward's cache).
   std::vector<size_t> bounds{0};
   if (cached.empty()) bounds.insert(bounds.end(), P.checkpoints.begin(), P.checkpoints.end());
@@ -469,7 +515,7 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
       }
       snaps[nseg - 1] = std::move(st.slots);
     }
-    g[fin.slot] = block_of(g_out, fin, idx).permute(fin_inv);
+    if (needs[fin.slot]) g[fin.slot] = block_of(grad_out, fin, idx).permute(fin_inv);
     for (size_t j = nseg; j-- > 0;) {
       // Recompute this segment from its checkpoint keeping its GEMM operands, then sweep back.
       State st;
@@ -477,8 +523,12 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
       st.shp.resize(P.n_slots);
       for (int64_t s = 0; s < P.n_slots; ++s)
         if (st.slots[s].defined()) st.shp[s] = st.slots[s].sizes().vec();
-      run_range(P, st, idx, cached.empty() ? Mode::kBackward : Mode::kReplay, bounds[j], bounds[j + 1], &saved,
-                &needs, &sum_shapes, cached);
+      const bool last = j + 1 == nseg;
+      const Mode mode = !cached.empty() ? Mode::kReplay : (last && value ? Mode::kRecord : Mode::kBackward);
+      at::Tensor r = run_range(P, st, idx, mode, bounds[j], bounds[j + 1], &saved, &needs, &sum_shapes, cached);
+      if (mode == Mode::kRecord) block_of(*value, fin, idx).add_(r);
+      r = at::Tensor();
+      st.slots.clear();  // the saved GEMM operands hold what the sweep needs
       for (size_t t = bounds[j + 1]; t-- > bounds[j];) {
         const Instr& in = P.instrs[t];
         if (in.op == kSum) {
@@ -490,20 +540,14 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
             g[in.slot] = x.expand(sum_shapes[t]);
           }
         } else if (in.op == kContract && g[in.c].defined()) {
-          const Saved& s = saved[t];
+          Saved& s = saved[t];
           at::Tensor gc3 = g[in.c].reshape({in.bt, in.m, in.n});
           g[in.c] = at::Tensor();
-          // dA = dC B^H, dB = A^H dC (torch.matmul's complex convention), back in stored layout
-          if (needs[in.a]) {
-            at::Tensor ga = in.ta ? matmul3(gemm_b(s.b3, in), gc3.mH()).conj()  // [Bt,K,M] = (dC B^H)^T
-                                  : matmul3(gc3, gemm_b(s.b3, in).mH());
-            g[in.a] = ga.resolve_conj().reshape(s.shape_a).permute(inverse(in.perm_a));
-          }
-          if (needs[in.b]) {
-            at::Tensor gb = in.tb ? matmul3(gc3.transpose(1, 2), gemm_a(s.a3, in).conj())  // [Bt,N,K] = (A^H dC)^T
-                                  : matmul3(gemm_a(s.a3, in).mH(), gc3);
-            g[in.b] = gb.resolve_conj().reshape(s.shape_b).permute(inverse(in.perm_b));
-          }
+          at::Tensor ga, gb;
+          contract_grads(in, s, gc3, needs[in.a], needs[in.b], ga, gb);
+          gc3 = at::Tensor();
+          if (ga.defined()) g[in.a] = ga.reshape(s.shape_a).permute(inverse(in.perm_a));
+          if (gb.defined()) g[in.b] = gb.reshape(s.shape_b).permute(inverse(in.perm_b));
           saved[t] = Saved{};  // free as we go: the reverse sweep only shrinks memory
         }
         for (int64_t i : done_at[t]) {
@@ -516,7 +560,75 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
       }
     }
   }
+}
+
+std::vector<char> needs_of(const Program& P, at::TensorList grads) {
+  TORCH_CHECK(static_cast<int64_t>(grads.size()) == P.n_operands,
+              "contract_program_accumulate: grads must have one entry per operand");
+  std::vector<int64_t> flags;
+  for (const auto& t : grads) flags.push_back(t.defined() && t.numel() > 0 ? 1 : 0);
+  return slot_needs(P, flags);
+}
+
+}  // namespace
+
+// Gradients of sum_rows(program(operands)) under grad_out, for the operands flagged in
+// needs_grad (the others come back as empty tensors, at no cost). Complex follows PyTorch's
+// convention (grad_A = grad_C @ B^H, as torch.matmul's backward).
+std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::IntArrayRef program,
+                                                  at::IntArrayRef slice_table, const at::Tensor& grad_out,
+                                                  at::IntArrayRef needs_grad, at::TensorList cached) {
+  check_operands(operands);
+  const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
+  num_rows(P, slice_table);
+  TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
+              "contract_program_backward: needs_grad must have one entry per operand");
+  check_shape(grad_out, P.out_shape, "grad_out");
+  check_same_device(operands[0], "operand 0", grad_out, "grad_out");
+  const std::vector<char> needs = slot_needs(P, needs_grad);
+  std::vector<at::Tensor> grads(P.n_operands);
+  for (int64_t i = 0; i < P.n_operands; ++i)
+    grads[i] = needs[i] ? at::zeros_like(operands[i], at::MemoryFormat::Contiguous).resolve_conj()
+                        : at::empty({0}, operands[i].options());
+  const at::Tensor g_out = grad_out.scalar_type() == operands[0].scalar_type()
+                               ? grad_out
+                               : grad_out.to(operands[0].scalar_type());
+  accumulate_gradients(P, operands, slice_table, g_out, needs, cached, grads, nullptr);
   return grads;
+}
+
+// Adds into `grads` the operands' gradients of the sum over the slice-table rows (entries with no
+// elements: not wanted). With grad_out, under it, returning an empty tensor; without, under a unit
+// output cotangent (the output must have one element) and returning the value as well: the
+// forward and the backward of each slice in one pass, so a scalar's gradient costs one
+// recomputation less.
+at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef program,
+                                       at::IntArrayRef slice_table, const std::optional<at::Tensor>& grad_out,
+                                       at::TensorList grads) {
+  check_operands(operands);
+  const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
+  num_rows(P, slice_table);
+  const std::vector<char> needs = needs_of(P, grads);
+  std::vector<at::Tensor> into(grads.begin(), grads.end());
+  for (int64_t i = 0; i < P.n_operands; ++i) {
+    if (!needs[i]) continue;
+    TORCH_CHECK(into[i].sizes() == operands[i].sizes() && into[i].scalar_type() == operands[i].scalar_type(),
+                "contract_program_accumulate: grads[", i, "] must have operand ", i, "'s shape and dtype");
+    check_same_device(operands[0], "operand 0", into[i], "grads");
+  }
+  if (grad_out.has_value()) {
+    check_shape(*grad_out, P.out_shape, "grad_out");
+    check_same_device(operands[0], "operand 0", *grad_out, "grad_out");
+    const at::Tensor g_out = grad_out->to(operands[0].scalar_type());
+    accumulate_gradients(P, operands, slice_table, g_out, needs, {}, into, nullptr);
+    return at::empty({0}, operands[0].options());
+  }
+  at::Tensor value = at::zeros(P.out_shape, operands[0].options());
+  TORCH_CHECK(value.numel() == 1, "contract_program_accumulate: without grad_out the output must have one "
+              "element, it has shape ", P.out_shape);
+  const at::Tensor unit = at::ones(P.out_shape, operands[0].options());
+  accumulate_gradients(P, operands, slice_table, unit, needs, {}, into, &value);
+  return value;
 }
 
 }  // namespace torch_gradops
@@ -531,6 +643,12 @@ TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
   m.def(
       "contract_program_backward(Tensor[] operands, int[] program, int[] slice_table, Tensor grad_out, "
       "int[] needs_grad, Tensor[] cached) -> Tensor[]");
+  // Adds the operands' gradients over the slice-table rows into `grads` (entries with no
+  // elements: not wanted); without grad_out (a one-element output only) under a unit cotangent,
+  // also returning the value: forward and backward of each slice in one pass.
+  m.def(
+      "contract_program_accumulate(Tensor[] operands, int[] program, int[] slice_table, Tensor? grad_out, "
+      "Tensor(a!)[] grads) -> Tensor");
   // One slice, plus the GEMM operands that contract_program_backward can take (as `cached`)
   // instead of recomputing the slice.
   m.def(
@@ -543,6 +661,7 @@ TORCH_LIBRARY_IMPL(torch_gradops, CompositeExplicitAutograd, m) {
   m.impl("contract_program", &torch_gradops::contract_program);
   m.impl("contract_program_backward", &torch_gradops::contract_program_backward);
   m.impl("contract_program_cached", &torch_gradops::contract_program_cached);
+  m.impl("contract_program_accumulate", &torch_gradops::contract_program_accumulate);
 }
 
 // Autograd lives in Python (ContractFunction). A direct call that autograd would differentiate

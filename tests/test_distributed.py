@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from torch_gradops.distributed import split_by_cost
+from torch_gradops.distributed import rank_slices, split_by_cost
 from torch_gradops.testing import launch
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
@@ -56,6 +56,17 @@ def test_split_by_cost_balances_and_covers():
     assert split_by_cost([1.0], 3) == [[0], [], []]
     with pytest.raises(ValueError):
         split_by_cost([1.0], 0)
+
+
+def test_rank_slices_are_contiguous_ranges_covering_all():
+    for n, world in ((10, 3), (2, 4), (2 ** 40, 7)):
+        parts = [rank_slices(n, world, r) for r in range(world)]
+        assert all(isinstance(p, range) for p in parts)
+        assert parts[0].start == 0 and parts[-1].stop == n
+        assert all(a.stop == b.start for a, b in zip(parts, parts[1:]))
+        assert max(map(len, parts)) - min(map(len, parts)) <= 1
+    with pytest.raises(ValueError):
+        rank_slices(4, 2, 2)
 
 
 # --------------------------------------------------------------------------- DDP GAT

@@ -50,7 +50,7 @@ def _plans():
     inputs, output, arrays = circuit_amplitude_network(3, 3, 8, seed=2, dtype=torch.complex128)
     args = interleave(inputs, arrays, output)
     full = tn.plan(*args, optimize="greedy")
-    yield tn.plan(*args, optimize="greedy", memory_limit=full.slice_working_set // 3)  # CHECKPOINTs
+    yield tn.plan(*args, optimize="greedy", memory_limit=full.largest_intermediate[1])  # CHECKPOINTs
 
 
 @pytest.mark.parametrize("k", range(6))

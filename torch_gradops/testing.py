@@ -8,7 +8,7 @@
   index_add, what PyG's ``GATConv`` computes; it materialises ``E x H x C``); :class:`CoraGAT`
   and :func:`train_cora`, the original GAT trained on Cora.
 * Tensor networks: generators of real-shaped networks (:func:`circuit_amplitude_network`,
-  :func:`peps_norm_network`, :func:`mps_network`), :func:`interleave` (a network as the
+  :func:`peps_norm_network`, :func:`mps_network`, :func:`lattice_network`), :func:`interleave` (a network as the
   interleaved arguments of :func:`torch_gradops.tensornet.contract`) and
   :func:`einsum_pairwise`, a torch.einsum evaluator for networks with more modes than
   ``torch.einsum`` has letters.
@@ -33,7 +33,7 @@ from ._units import format_bytes
 
 __all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "free_port", "launch", "gat_composite",
            "CoraGAT", "train_cora", "Network", "circuit_amplitude_network", "peps_norm_network", "mps_network",
-           "interleave", "einsum_pairwise"]
+           "lattice_network", "interleave", "einsum_pairwise"]
 
 
 # ---------------------------------------------------------------------------- memory
@@ -371,6 +371,22 @@ def mps_network(n: int, bond: int = 4, phys: int = 2, seed: int = 0, dtype=torch
         inputs += [lk, lb]
         arrays += [t.to(dtype), t.to(dtype)]
     return inputs, [], arrays
+
+
+def lattice_network(rows: int, cols: int, bond: int, seed: int = 0, dtype=torch.float32,
+                    cyclic: bool = False) -> Network:
+    """A ``rows x cols`` lattice of random tensors with bonds of extent ``bond`` and a scalar
+    output: ``cotengra.utils.lattice_equation([rows, cols], d_min=bond, seed=seed)`` (the
+    geometry of the tensornet benchmarks) with int mode labels, tensors N(0, 1/bond)."""
+    import cotengra
+
+    eq = cotengra.utils.lattice_equation([rows, cols], cyclic=cyclic, d_min=bond, d_max=bond, seed=seed)
+    ids: Dict[Any, int] = {}
+    inputs = [[ids.setdefault(ix, len(ids)) for ix in term] for term in eq.inputs]
+    gen = torch.Generator().manual_seed(seed)
+    arrays = [(torch.randn(tuple(eq.size_dict[ix] for ix in term), generator=gen, dtype=torch.float64)
+               / bond ** 0.5).to(dtype) for term in eq.inputs]
+    return inputs, [ids[ix] for ix in eq.output], arrays
 
 
 def einsum_pairwise(inputs: Sequence[Sequence[int]], output: Sequence[int], arrays: Sequence[torch.Tensor],

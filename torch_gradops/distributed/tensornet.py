@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from ..tensornet import resolve
 
-__all__ = ["contract", "contract_plan", "ContractStats", "DistributedContractFunction", "split_by_cost"]
+__all__ = ["contract", "contract_plan", "ContractStats", "DistributedContractFunction", "split_by_cost", "rank_slices"]
 
 
 def split_by_cost(costs: Sequence[float], world_size: int) -> List[List[int]]:
@@ -49,10 +49,18 @@ class ContractStats:
     slices: int = 0
 
 
-def _rank_slices(plan, group) -> List[int]:
-    """This rank's slice group: slices split by cost (equal per slice within a plan)."""
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    return split_by_cost([1.0] * plan.num_slices, world)[rank]
+def rank_slices(num_slices: int, world_size: int, rank: int) -> range:
+    """Rank ``rank``'s slice group: a contiguous range of slice ids, the ranges of all ranks
+    covering ``0 .. num_slices-1`` with sizes differing by at most one (slices of a plan cost
+    the same). A range, never a list: a plan may have 2^40 slices."""
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    return range(num_slices * rank // world_size, num_slices * (rank + 1) // world_size)
+
+
+def _rank_slices(plan, group) -> range:
+    """This rank's slice group."""
+    return rank_slices(plan.num_slices, dist.get_world_size(group), dist.get_rank(group))
 
 
 def _check_same_plan(plan, group) -> None:
@@ -64,8 +72,8 @@ def _check_same_plan(plan, group) -> None:
     if any(other != every[0] for other in every):
         raise RuntimeError(
             "ranks planned different contractions (path or sliced modes differ between ranks); "
-            "use a deterministic optimize= (e.g. 'auto' or 'greedy'), an explicit path and "
-            "slicing=[modes], or pass the same plan= on every rank")
+            "plan with the same arguments on every rank (the default search is seeded and "
+            "deterministic), or pass an explicit path and slicing=[modes], or the same plan=")
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -143,9 +151,11 @@ def contract_plan(plan, operands, process_group=None, progress: bool = False,
 
 
 def contract(*args, process_group=None, memory_limit=None, optimize="auto", slicing=None, plan=None,
-             progress: bool = False, stats: Optional[ContractStats] = None) -> torch.Tensor:
+             progress: bool = False, stats: Optional[ContractStats] = None, path_cache=None,
+             max_overhead=1e4) -> torch.Tensor:
     """:func:`torch_gradops.tensornet.contract` with the slices shared by the ranks of
     ``process_group`` (default: the world group when initialised; a plain local contraction
     when ``torch.distributed`` is not initialised); ``stats`` as in :func:`contract_plan`."""
-    plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan)
+    plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan,
+                             path_cache=path_cache, max_overhead=max_overhead)
     return contract_plan(plan, operands, process_group, progress=progress, stats=stats)

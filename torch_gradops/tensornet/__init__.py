@@ -1,26 +1,35 @@
 """Sliced tensor-network contraction with exact, memory-bounded gradients.
 
-``contract("ab,bc,cd->ad", a, b, c)`` plans the contraction once (path from ``opt_einsum`` or
-``cotengra``, slicing to fit ``memory_limit``), caches the plan by (expression, shapes, dtype,
-device type, options), compiles it into a flat program of pairwise steps (permute / reshape /
-batched matmul, with the sums and slice selections around them) and runs the program in C++
-through ATen (``torch.ops.torch_gradops.contract_program``): one op call for all slices (one per
-chunk of slices with ``progress=True``), no per-step Python.
+``contract("ab,bc,cd->ad", a, b, c)`` plans the contraction once (a seeded cotengra hyper-search
+with cotengra's slicing for networks worth searching, opt_einsum for small ones), caches the plan
+by (expression, shapes, dtype, device type, options), compiles it into a flat program of
+pairwise steps (permute / reshape / batched matmul, with the sums and slice selections around
+them) and runs the program in C++ through ATen (``torch.ops.torch_gradops.contract_program``):
+one op call per bounded chunk of slices, no per-step Python.
 
-Gradients recompute one slice at a time in C++ (a slice whose intermediates together exceed the
-budget is recomputed segment by segment between checkpoints) and accumulate each operand's
-gradient across slices. ``memory_limit`` bounds the modelled working set of one slice's
-forward + backward (:attr:`ContractionPlan.slice_working_set`), so the peak extra memory of
-forward + backward stays within about ``memory_limit`` + operands + their gradients, whatever
-the number of slices. ``create_graph=True`` and forward-mode AD express the derivative of a
-network as further networks and contract them with the same Function, so they are
-differentiable again.
+What ``memory_limit`` means (the one statement of it): it bounds the largest intermediate of
+one slice, as cotengra's ``target_size`` and cuTensorNet's workspace limit do. The backward
+keeps its extra memory within a small multiple of it by recomputation between checkpoints,
+not by slicing more: the measured peak extra memory of forward + backward is at most
+``4 x memory_limit`` + the operands + their gradients (+ the output), for any number of
+slices. The planner places the checkpoints with a model of the executor's memory
+(:attr:`ContractionPlan.modelled_peak`, kept within 3.5 x ``memory_limit``); only where no
+placement can keep it there does it slice further. One plan serves forward and backward.
+
+Gradients recompute one slice at a time in C++ (segment by segment between checkpoints), write
+each intermediate's gradient over the intermediate, and accumulate each operand's gradient
+across slices; a one-element output's gradients are computed during the forward (each slice's
+forward and backward in one pass), which saves the recomputation. ``create_graph=True`` and
+forward-mode AD express the derivative of a network as further networks and contract them with
+the same Function, so they are differentiable again. Slice ids are never listed: a plan with
+2^40 slices costs nothing until run, and plans whose slicing costs more than ``max_overhead``
+times the unsliced FLOPs are refused with advice.
 
 Modules, one concern each: :mod:`.parser` (expressions, labels, the effective network),
-:mod:`.paths` (path search), :mod:`.slicer` (memory limits, cost model, sliced modes, slice ids),
-:mod:`.compiler` and :mod:`.program` (lowering to the executor's program format), :mod:`.plan`
-(:class:`ContractionPlan`, the plan cache), :mod:`.autograd` (:class:`ContractFunction`),
-:mod:`.contract` (the entry points).
+:mod:`.paths` (path search), :mod:`.slicer` (memory limits, memory model, checkpoints, sliced
+modes, slice ids), :mod:`.compiler` and :mod:`.program` (lowering to the executor's program
+format), :mod:`.plan` (:class:`ContractionPlan`, the plan cache), :mod:`.autograd`
+(:class:`ContractFunction`), :mod:`.contract` (the entry points).
 
 Shapes: every operand ``k`` has one dimension per mode of its term; the result has one
 dimension per output mode (a 0-dim tensor for a scalar output).

@@ -1,13 +1,18 @@
 """Autograd for contractions: :class:`ContractFunction` over the C++ executor, and the
 derivative networks behind double backward and forward-mode AD.
 
-First-order backward runs ``contract_program_backward``, which recomputes one slice at a time
-(segment by segment between checkpoints) and accumulates each operand's gradient across slices;
-an unsliced plan reuses the GEMM operands its forward kept. Under ``create_graph=True`` each
-operand's gradient is itself a contraction (the network with that operand removed and the
-output gradient added, :meth:`~.plan.ContractionPlan.derivative_plan`), computed with this same
-Function, so it is differentiable again; forward-mode AD sums the network with each operand
-replaced by its tangent. This module does not plan: plans come in as arguments.
+First-order backward runs the executor's backward, which recomputes one slice at a time
+(segment by segment between checkpoints), writes each intermediate's gradient over the
+intermediate, and accumulates each operand's gradient across slices. A one-element output
+(a loss) gets its gradients during the forward instead ("fused": each slice's forward and
+backward in one pass under a unit cotangent, scaled by the output gradient later), which saves
+the recomputation; an unsliced plan without a memory limit reuses the GEMM operands its forward
+kept. Slice groups run a bounded number of slices per executor call
+(:meth:`~.slicer.Slices.chunks`). Under ``create_graph=True`` each operand's gradient is itself
+a contraction (the network with that operand removed and the output gradient added,
+:meth:`~.plan.ContractionPlan.derivative_plan`), computed with this same Function, so it is
+differentiable again; forward-mode AD sums the network with each operand replaced by its
+tangent. This module does not plan: plans come in as arguments.
 """
 from __future__ import annotations
 
@@ -18,7 +23,9 @@ import torch
 from ..library import ops
 from .parser import apply_steps
 
-__all__ = ["ContractFunction", "contract_prepared", "operand_gradients"]
+__all__ = ["ContractFunction", "contract_prepared", "operand_gradients", "PLAIN", "KEEP", "FUSED"]
+
+PLAIN, KEEP, FUSED = "plain", "keep", "fused"
 
 
 def _needs_function(eff) -> bool:
@@ -62,69 +69,106 @@ def _engine_needs(ctx, needs):
     return needs
 
 
-class ContractFunction(torch.autograd.Function):
-    """``ContractFunction.apply(plan, slice_table, keep, *operands) -> (out, *kept)``: the
-    differentiable core of :func:`~.contract.contract` (operands already checked and
-    preprocessed by ``plan.prepare``).
+def _forward(plan, operands, group) -> torch.Tensor:
+    """The contraction over a slice group, a bounded number of slices per executor call."""
+    total = None
+    for table in plan.slice_set.chunks(group):
+        part = ops.contract_program(list(operands), list(plan.program), list(table))
+        total = part if total is None else total.add_(part)
+    return total if total is not None else operands[0].new_zeros(plan.output_shape)
 
-    With ``keep`` (single-slice plans only, so the memory bound of sliced plans holds) the
-    forward also returns the GEMM operands its backward reuses instead of recomputing
-    (non-differentiable outputs). backward: ``contract_program_backward`` or, under
-    ``create_graph=True``, one differentiable contraction per operand. jvp: the sum over
-    operands of the network with that operand replaced by its tangent.
+
+def _backward(plan, operands, group, grad_out, needs, kept=()) -> List[torch.Tensor]:
+    """Operand gradients over a slice group under ``grad_out`` (entries not in ``needs``: empty)."""
+    grad_out = grad_out.to(operands[0].dtype)
+    tables = plan.slice_set.chunks(group)
+    first = next(tables, None)
+    if first is None:
+        return [torch.zeros_like(op) if n else op.new_empty((0,)) for op, n in zip(operands, needs)]
+    grads = ops.contract_program_backward(list(operands), list(plan.program), list(first), grad_out,
+                                          [int(n) for n in needs], list(kept))
+    for table in tables:  # further chunks add into the same buffers
+        ops.contract_program_accumulate(list(operands), list(plan.program), list(table), grad_out, grads)
+    return grads
+
+
+class ContractFunction(torch.autograd.Function):
+    """``ContractFunction.apply(plan, slices, mode, *operands) -> (out, *extra)``: the
+    differentiable core of :func:`~.contract.contract` (operands already checked and
+    preprocessed by ``plan.prepare``; ``slices`` a slice group).
+
+    ``mode``: :data:`PLAIN` (backward recomputes), :data:`KEEP` (one slice: the forward also
+    returns the GEMM operands its backward reuses) or :data:`FUSED` (one-element output: the
+    forward also returns each operand's gradient under a unit cotangent, which the backward
+    scales); the extra outputs are non-differentiable. Under ``create_graph=True`` the backward
+    contracts one derivative network per operand. jvp: the sum over operands of the network
+    with that operand replaced by its tangent.
     """
 
     @staticmethod
-    def forward(plan, table, keep, *operands):
-        if keep:
+    def forward(plan, slices, mode, *operands):
+        if mode == KEEP:
+            table = next(iter(plan.slice_set.chunks(slices)))
             out, kept = ops.contract_program_cached(list(operands), list(plan.program), list(table),
                                                     [int(t.requires_grad) for t in operands])
             return (out, *kept)
-        return (ops.contract_program(list(operands), list(plan.program), list(table)),)
+        if mode == FUSED:
+            units = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad
+                     else t.new_empty((0,)) for t in operands]
+            value = None
+            for table in plan.slice_set.chunks(slices):
+                part = ops.contract_program_accumulate(list(operands), list(plan.program), list(table), None, units)
+                value = part if value is None else value.add_(part)
+            if value is None:
+                value = operands[0].new_zeros(plan.output_shape)
+            return (value, *units)
+        return (_forward(plan, operands, slices),)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        plan, table, _, *operands = inputs
-        kept = output[1:]
-        ctx.mark_non_differentiable(*kept)
-        ctx.plan, ctx.table, ctx.n_operands, ctx.n_kept = plan, table, len(operands), len(kept)
-        ctx.save_for_backward(*operands, *kept)
+        plan, slices, mode, *operands = inputs
+        extra = output[1:]
+        ctx.mark_non_differentiable(*extra)
+        ctx.set_materialize_grads(False)  # no zero gradients for the (operand-sized) extra outputs
+        ctx.plan, ctx.slices, ctx.mode, ctx.n_operands, ctx.n_extra = plan, slices, mode, len(operands), len(extra)
+        ctx.save_for_backward(*operands, *extra)
         ctx.save_for_forward(*operands)
 
     @staticmethod
     def backward(ctx, grad_out, *_):
         saved = ctx.saved_tensors
-        operands, kept = saved[:ctx.n_operands], saved[ctx.n_operands:]
+        operands, extra = saved[:ctx.n_operands], saved[ctx.n_operands:]
         needs = _engine_needs(ctx, ctx.needs_input_grad[3:])
-        if not any(needs):
+        if grad_out is None or not any(needs):
             return (None, None, None) + (None,) * len(operands)
         if torch.is_grad_enabled() or _is_transformed(grad_out):
             # create_graph=True, or a batched/dual output gradient (torch.func, gradcheck's
             # batched checks): gradients as contractions through this Function, whose vmap and
-            # jvp rules apply; the fused backward op has no batching rule
-            grads = _derivative_gradients(ctx.plan, list(operands), grad_out, ctx.table, needs)
+            # jvp rules apply; the fused backward ops have no batching rule
+            grads = _derivative_gradients(ctx.plan, list(operands), grad_out, ctx.slices, needs)
+        elif ctx.mode == FUSED:
+            g = grad_out.reshape(()).to(operands[0].dtype)
+            grads = [u * g if n else None for u, n in zip(extra, needs)]
         else:
-            raw = ops.contract_program_backward(list(operands), list(ctx.plan.program), list(ctx.table),
-                                                grad_out.to(operands[0].dtype), [int(n) for n in needs],
-                                                list(kept))
+            raw = _backward(ctx.plan, operands, ctx.slices, grad_out, needs, extra)
             grads = [g if n else None for g, n in zip(raw, needs)]
         return (None, None, None) + tuple(grads)
 
     @staticmethod
-    def vmap(info, in_dims, plan, table, keep, *operands):
+    def vmap(info, in_dims, plan, slices, mode, *operands):
         """torch.func.vmap: a vmapped operand carries one more mode, shared by every vmapped
         operand and kept first in the output; the batched network is planned (and cached) like
-        any other, with the same sliced modes, so the slice table still applies."""
-        if keep:  # contract_prepared never keeps GEMM operands for transformed tensors
-            raise RuntimeError("ContractFunction: keep=True cannot be vmapped")
+        any other, with the same sliced modes, so the slice group still applies."""
+        if mode != PLAIN:  # _mode() is PLAIN for transformed operands
+            raise RuntimeError(f"ContractFunction: mode {mode!r} cannot be vmapped")
         dims = in_dims[3:]
         batched = tuple(i for i, d in enumerate(dims) if d is not None)
         size = operands[batched[0]].size(dims[batched[0]])
         moved = [op if d is None else op.movedim(d, 0) for op, d in zip(operands, dims)]
-        return ContractFunction.apply(plan.batched_plan(batched, size), table, False, *moved), (0,)
+        return ContractFunction.apply(plan.batched_plan(batched, size), slices, PLAIN, *moved), (0,)
 
     @staticmethod
-    def jvp(ctx, _plan_t, _table_t, _keep_t, *tangents):
+    def jvp(ctx, _plan_t, _slices_t, _mode_t, *tangents):
         operands = ctx.saved_tensors
         total = None
         for i, t in enumerate(tangents):
@@ -132,9 +176,9 @@ class ContractFunction(torch.autograd.Function):
                 continue
             args = list(operands)
             args[i] = t.to(operands[i].dtype)
-            part, = ContractFunction.apply(ctx.plan, ctx.table, False, *args)
+            part, = ContractFunction.apply(ctx.plan, ctx.slices, PLAIN, *args)
             total = part if total is None else total + part
-        return (total,) + (None,) * ctx.n_kept
+        return (total,) + (None,) * ctx.n_extra
 
 
 class _TraceableContract(torch.autograd.Function):
@@ -145,7 +189,7 @@ class _TraceableContract(torch.autograd.Function):
     backward = staticmethod(ContractFunction.backward)
 
 
-def _derivative_gradients(plan, eff, grad_out, table, needs) -> List[Optional[torch.Tensor]]:
+def _derivative_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[torch.Tensor]]:
     """create_graph=True: each operand's gradient as a differentiable contraction of its
     derivative network (so gradgradcheck works)."""
     net = plan.network
@@ -156,8 +200,7 @@ def _derivative_gradients(plan, eff, grad_out, table, needs) -> List[Optional[to
             continue
         p, target, others = plan.derivative_plan(i)
         net_ops = p.prepare([grad_out.to(eff[i].dtype)] + [eff[j].conj() for j in others])
-        g = ContractFunction.apply(p, table, False, *net_ops)[0] if table is not None else \
-            net_ops[0].new_zeros(p.output_shape)
+        g = ContractFunction.apply(p, slices, PLAIN, *net_ops)[0]
         # Modes of operand i that occur nowhere else were summed: the gradient broadcasts.
         modes = net.inputs[i]
         if len(target) != len(modes):
@@ -170,38 +213,44 @@ def _derivative_gradients(plan, eff, grad_out, table, needs) -> List[Optional[to
     return grads
 
 
+def _mode(plan, eff, group) -> str:
+    """How a differentiable contraction runs (see :class:`ContractFunction`)."""
+    wants = torch.is_grad_enabled() and any(t.requires_grad for t in eff)
+    plain_ad = torch.autograd.forward_ad._current_level < 0 and not any(_is_transformed(t) for t in eff)
+    if not wants or not plain_ad:
+        return PLAIN
+    if len(plan.output_shape) == 0 or all(d == 1 for d in plan.output_shape):
+        return FUSED
+    if len(group) == 1 and not plan.checkpoints and plan.memory_limit is None:
+        return KEEP  # no memory promise to keep: reuse the forward's GEMM operands
+    return PLAIN
+
+
 def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     """Contract preprocessed operands ``eff`` over a slice group, through the autograd Function
     when a gradient, forward AD or a torch.func transform may need it."""
     grad = _needs_function(eff)
-    table = plan.slice_set.table(slices)
-    if table is None:  # empty slice group
+    group = plan.slice_set.group(slices)
+    if len(group) == 0:  # empty slice group
         return eff[0].new_zeros(plan.output_shape)
-    if progress and plan.num_slices > 1:
+    if progress and len(group) > 1:
         from tqdm.auto import tqdm
-        ids = plan.slice_set.ids(slices)
-        # one op call per chunk of slices (at most ~100 chunks): a live bar at low overhead
-        step = max(1, -(-len(ids) // 100))
+        # about 100 parts (one op call each at least): a live bar at low overhead
+        step = max(1, -(-len(group) // 100))
         total = None
-        with tqdm(total=len(ids), desc="contract", unit="slice") as bar:
-            for c in range(0, len(ids), step):
-                chunk_ids = ids[c:c + step]
-                chunk = plan.slice_set.table(chunk_ids)
-                part = ContractFunction.apply(plan, chunk, False, *eff)[0] if grad else \
-                    ops.contract_program(eff, list(plan.program), list(chunk))
+        with tqdm(total=len(group), desc="contract", unit="slice") as bar:
+            for c in range(0, len(group), step):
+                part_group = group[c:c + step]
+                part = ContractFunction.apply(plan, part_group, _mode(plan, eff, part_group), *eff)[0] if grad \
+                    else _forward(plan, eff, part_group)
                 total = part if total is None else total + part
-                bar.update(len(chunk_ids))
+                bar.update(len(part_group))
         return total
     if not grad:
-        return ops.contract_program(eff, list(plan.program), list(table))
+        return _forward(plan, eff, group)
     if torch.compiler.is_compiling():
-        return _TraceableContract.apply(plan, table, False, *eff)[0]
-    # unsliced and gradients wanted: keep the GEMM operands for the backward (a sliced plan
-    # recomputes per slice instead: that is its memory bound); not under torch.func transforms,
-    # whose rules see only the Function's inputs
-    keep = plan.num_slices == 1 and not plan.checkpoints and torch.is_grad_enabled() and \
-        any(t.requires_grad for t in eff) and not any(_is_transformed(t) for t in eff)
-    return ContractFunction.apply(plan, table, keep, *eff)[0]
+        return _TraceableContract.apply(plan, group, PLAIN, *eff)[0]
+    return ContractFunction.apply(plan, group, _mode(plan, eff, group), *eff)[0]
 
 
 def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
@@ -218,13 +267,8 @@ def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
     with torch.no_grad():
         raw_ops = [op.detach() if isinstance(op, torch.Tensor) else op for op in operands]
         eff = plan.prepare(raw_ops)
-        table = plan.slice_set.table(slices)
-        if table is None:
-            geff = [torch.zeros_like(e) if w else None for e, w in zip(eff, want)]
-        else:
-            raw = ops.contract_program_backward(eff, list(plan.program), list(table), output_grad.to(eff[0].dtype),
-                                                [int(w) for w in want], [])
-            geff = [g if w else None for g, w in zip(raw, want)]
+        raw = _backward(plan, eff, plan.slice_set.group(slices), output_grad, want)
+        geff = [g if w else None for g, w in zip(raw, want)]
     result = []
     for i, g in enumerate(geff):
         steps = plan.network.pre[i]

@@ -214,8 +214,10 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
 def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False, checkpoints=()):
     """``(program, steps)``: the :class:`~.program.Program` of ``path`` over the network
     ``inputs -> output`` (mode ids, extents ``sizes``) with ``sliced`` modes selected and a
-    CHECKPOINT before each step in ``checkpoints``; and per step (multiply-adds, result
-    elements, GEMM operand elements), for one slice."""
+    CHECKPOINT before each step in ``checkpoints``; and per step, for one slice: (multiply-adds,
+    result elements, GEMM operand elements, the steps whose results it copies into GEMM layout,
+    whether its result is copied by the step that reads it) -- the last two for the memory
+    model (:func:`~.slicer.memory_model`)."""
     slot_of_k = {m: k for k, m in enumerate(sliced)}
     sset = set(sliced)
     instrs: List = []
@@ -249,6 +251,8 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
     consumer = _consumer_groups(lay, cur, path, count)
     steps = []
     nslot = len(inputs)
+    n_in = len(inputs)
+    result_copied = [False] * len(path)
     checkpoints = set(checkpoints)
     for j, pair in enumerate(path):
         if j in checkpoints:
@@ -273,7 +277,7 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         seta, setb = set(ma), set(mb)
         group_a = {m: ("b" if count[m] > 0 else "k") if m in setb else "f" for m in ma}
         group_b = {m: ("b" if count[m] > 0 else "k") if m in seta else "f" for m in mb}
-        swap, (_, oa, cfa), (_, ob, cfb) = _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes,
+        swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes,
                                                                   consumer[nslot], kept, itemsize, is_complex)
         # X enters bmm as [Bt,M,K] (stored [Bt,K,M] if tx), Y as [Bt,K,N] (stored [Bt,N,K] if ty)
         (sx, mx, ox, fx), (sy, my, oy, fy) = ((sb, mb, ob, cfb), (sa, ma, oa, cfa)) if swap \
@@ -290,7 +294,12 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         instrs.append(fmt.Contract(sx, sy, nslot, px, py, tx, ty, bt, mm, kk, nn, tuple(sizes[m] for m in cm)))
         for m in cm:
             count[m] += 1
-        steps.append((bt * mm * kk * nn, bt * mm * nn, bt * kk * (mm + nn)))
+        copied = []
+        for side, cp in ((sa, copy_a), (sb, copy_b)):
+            if side >= n_in and cp:
+                copied.append(side - n_in)
+                result_copied[side - n_in] = True
+        steps.append([bt * mm * kk * nn, bt * mm * nn, bt * kk * (mm + nn), tuple(copied), False])
         lay.append((cm, _contiguous_strides(cm, sizes)))
         cur.append(nslot)
         nslot += 1
@@ -304,4 +313,6 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
     blocks = tuple(sorted(((pos, slot_of_k[m]) for pos, m in enumerate(output) if m in sset), reverse=True))
     instrs.append(fmt.Final(slot, perm, blocks))
     program = fmt.Program(len(inputs), len(sliced), tuple(sizes[m] for m in output), tuple(instrs))
-    return program, steps
+    for j, st in enumerate(steps):
+        st[4] = result_copied[j]
+    return program, [tuple(st) for st in steps]

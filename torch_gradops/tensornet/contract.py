@@ -34,21 +34,20 @@ def _freeze(x):
         return ("id", id(x))
 
 
-def _plan_key(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing, gradients):
-    """The plan cache's key. Without a memory limit, planning for gradients or not gives the
-    same plan, so both share one entry."""
+def _plan_key(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing, max_overhead):
+    """The plan cache's key (the on-disk path cache's directory does not change the plan)."""
     return (expr if expr is not None else (_freeze(terms), _freeze(output)), tuple(shapes), dtype, device_type,
-            _freeze(memory_limit), _freeze(optimize), _freeze(slicing), bool(gradients) or memory_limit is None)
+            _freeze(memory_limit), _freeze(optimize), _freeze(slicing), max_overhead)
 
 
 def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
-              gradients=True) -> ContractionPlan:
-    key = _plan_key(expr, terms, output, shapes, dtype, device.type, memory_limit, optimize, slicing, gradients)
+              path_cache=None, max_overhead=1e4) -> ContractionPlan:
+    key = _plan_key(expr, terms, output, shapes, dtype, device.type, memory_limit, optimize, slicing, max_overhead)
     p = PLANS.get(key)
     if p is None:
         p = PLANS.build(key, lambda: build_plan(expr, terms, output, shapes, dtype, device.type, memory_limit,
                                                 optimize, slicing, device, interleaved=interleaved,
-                                                gradients=key[-1]))
+                                                path_cache=path_cache, max_overhead=max_overhead))
     return p
 
 
@@ -61,27 +60,35 @@ def _promoted_dtype(tensors) -> torch.dtype:
 
 
 def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_limit=None,
-         optimize="auto", slicing=None, device=None, gradients: bool = True) -> ContractionPlan:
-    """Plan a contraction (cached).
+         optimize="auto", slicing=None, device=None, path_cache=None, max_overhead=1e4) -> ContractionPlan:
+    """Plan a contraction (cached: the same arguments return the same plan, with no search).
 
     ``expr``: an einsum string (``"ab,bc->ac"``, implicit output, ``...``, any Unicode letter as
     a label) followed by operands or their shapes; or the interleaved form
     ``plan(a, modes_a, b, modes_b, ..., [out_modes])`` with hashable labels.
-    ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory): what one slice's
-    forward + backward may hold beyond operands, output and gradients
-    (:attr:`ContractionPlan.slice_working_set`, which also bounds every intermediate and the
-    forward's working memory); modes are sliced, and backward checkpoints placed, until it
-    fits. Slicing for a budget therefore costs more than slicing only the largest
-    intermediate to it (cotengra's ``target_size``): about 5-10x the largest intermediate
-    must fit.
-    ``optimize``: "auto", "greedy", "optimal", "cotengra" (HyperOptimizer with its slicer), any
-    opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit path.
+
+    ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory). It bounds the
+    largest intermediate of one slice (:attr:`ContractionPlan.largest_intermediate`), as
+    cotengra's ``target_size`` and cuTensorNet's workspace limit do: modes are sliced until
+    every intermediate fits. The backward keeps its extra memory within a small multiple of it
+    by recomputation between checkpoints, so that the measured peak extra memory of forward +
+    backward is at most ``4 x memory_limit`` + the operands + their gradients (+ the output),
+    for any number of slices. (The planner places the checkpoints by a model of the executor's
+    memory, :attr:`ContractionPlan.modelled_peak`, kept within 3.5 x ``memory_limit``; where no
+    placement can, it slices further.) The forward alone holds less. One plan serves forward
+    and backward.
+
+    ``optimize``: "auto" (opt_einsum's exact or branch-and-bound search up to 8 operands, else a
+    seeded cotengra hyper-search with cotengra's slicing, scored by the executor's forward +
+    backward cost; deterministic), "greedy" (fast), "optimal", "cotengra" (the hyper-search at
+    any size), any opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit
+    path. ``path_cache``: a directory for an on-disk cache of searched paths (default:
+    ``$TORCH_GRADOPS_PATH_CACHE``, else none), so a new process does not search again.
     ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``.
-    ``gradients=False`` plans for the forward only: ``memory_limit`` then bounds every
-    intermediate (the forward's working memory), with as few sliced modes as that needs, as for
-    cotengra's ``target_size``; such a plan still differentiates correctly, but its backward
-    may exceed ``memory_limit``. :func:`contract` picks this mode itself when no operand
-    requires grad (or grad mode is off).
+    ``max_overhead``: refuse (ValueError) a plan whose sliced FLOPs exceed this multiple of the
+    same path unsliced, with advice; None creates it anyway (its slice groups can still be
+    contracted one at a time: slice ids are never listed, so even 2^40 slices cost nothing
+    until run).
     """
     if isinstance(expr, str):
         shapes, tensors = parser.shapes_of(operands_or_shapes)
@@ -100,16 +107,11 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     dtype = dtype or torch.get_default_dtype()
     device = torch.device(device or "cpu")
     return _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
-                     gradients)
+                     path_cache, max_overhead)
 
 
-def _wants_gradients(operands) -> bool:
-    """Whether a plan looked up for these operands must bound the backward too: only when grad
-    mode is on and some operand requires grad."""
-    return torch.is_grad_enabled() and any(op.requires_grad for op in operands)
-
-
-def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optional[ContractionPlan] = None):
+def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optional[ContractionPlan] = None,
+            path_cache=None, max_overhead=1e4):
     """``(plan, operands)`` for :func:`contract`'s arguments: the plan (cached) and the operand
     tensors, from an einsum string and operands or from the interleaved form."""
     if not args:
@@ -120,20 +122,19 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
             parser.check_operands(operands)
             shapes = [tuple(op.shape) for op in operands]
             dtype = _promoted_dtype(operands)
-            gradients = _wants_gradients(operands)
             key = _plan_key(expr, None, None, shapes, dtype, operands[0].device.type, memory_limit, optimize,
-                            slicing, gradients)
+                            slicing, max_overhead)
             plan = PLANS.get(key)  # fast path: no parsing on a cache hit
             if plan is None:
                 terms, output = parser.parse_string(expr, len(shapes))
                 plan = _get_plan(expr, terms, output, shapes, dtype, operands[0].device, memory_limit, optimize,
-                                 slicing, False, gradients)
+                                 slicing, False, path_cache, max_overhead)
     else:
         operands, terms, output = parser.split_interleaved(args)
         if plan is None:
             parser.check_operands(operands)
             plan = _get_plan(None, terms, output, [tuple(op.shape) for op in operands], _promoted_dtype(operands),
-                             operands[0].device, memory_limit, optimize, slicing, True, _wants_gradients(operands))
+                             operands[0].device, memory_limit, optimize, slicing, True, path_cache, max_overhead)
     if not isinstance(plan, ContractionPlan):
         raise TypeError(f"plan must be a ContractionPlan, got {type(plan).__name__}")
     return plan, operands
@@ -151,7 +152,8 @@ def register_process_group_runner(runner: Callable) -> None:
 
 
 def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=None,
-             plan: Optional[ContractionPlan] = None, progress: bool = False, process_group=None) -> torch.Tensor:
+             plan: Optional[ContractionPlan] = None, progress: bool = False, process_group=None,
+             path_cache=None, max_overhead=1e4) -> torch.Tensor:
     """Contract a tensor network, differentiably.
 
     ``contract("ab,bc->ac", a, b)`` or ``contract(a, [0, 1], b, [1, 2], [0, 2])``. Options as
@@ -162,7 +164,8 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
     :func:`torch_gradops.distributed.contract`; every rank gets the full result).
     Returns a tensor with one dimension per output mode (0-dim for a scalar).
     """
-    plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan)
+    plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan,
+                             path_cache=path_cache, max_overhead=max_overhead)
     if process_group is not None:
         if slices is not None:
             raise ValueError("slices and process_group cannot be combined: the group splits the slices")

@@ -1,70 +1,222 @@
-"""Contraction paths: opt_einsum's optimizers, one cotengra adapter, and explicit paths.
+"""Contraction paths: cotengra's hyper-optimised, slicing-aware search (the default for networks
+worth searching), opt_einsum's optimizers, cotengra optimizer objects and explicit paths.
 
 A path is opt_einsum's linear format: a list of pairs of positions in the current operand list;
 the pair's result goes to the end of the list.
+
+``optimize="auto"``: networks of up to :data:`SMALL` operands take opt_einsum's choice (exact or
+branch-and-bound; milliseconds). Larger ones first get opt_einsum's greedy path, whose cost sets
+the search budget (:func:`search_budget`: about a quarter of the estimated forward + backward
+time, at most 2 s, so a contraction of milliseconds is not searched for seconds); with a budget
+of two trials or more, a ``cotengra.HyperOptimizer`` search over greedy trees, each sliced by
+cotengra to the memory limit and to fractions of it down to 1/256 (as the budget allows), scored
+by :class:`PlanObjective`: the executor's forward + backward work of the sliced tree, with the
+backward's recomputation and a charge for any further slicing its memory model needs. The
+search is seeded (:data:`SEED`) and its budget counts trials, not seconds, so it is
+deterministic: every rank of a process group finds the same plan.
+
+An opt-in on-disk cache of searched paths (cotengra's ``ReusableHyperOptimizer``), keyed by the
+network and the options that shape the path, lets a new process skip the search: pass
+``path_cache=directory`` or set ``TORCH_GRADOPS_PATH_CACHE``.
 """
 from __future__ import annotations
 
+import hashlib
+import math
+import os
+import random
+import time
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
+import cotengra
 import opt_einsum
+from cotengra.scoring import FlopsObjective
 
-__all__ = ["PathResult", "find_path", "check_path"]
+__all__ = ["PathResult", "find_path", "check_path", "search_budget", "PlanObjective", "SMALL", "SEED",
+           "PATH_CACHE_ENV", "symbols"]
+
+SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
+SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
+PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
+_CACHE_VERSION = 1   # bump when the search or its scoring changes: old cached paths are ignored
 
 
 @dataclass(frozen=True)
 class PathResult:
-    """A path, the sliced modes the optimizer suggests (or None), the optimizer's name, and
-    whether a search ran (an explicit path or a single operand needs none)."""
+    """A path, the sliced modes the optimizer suggests (or None), the optimizer's name, whether
+    a search ran (an explicit path, a single operand or an on-disk cache hit needs none) and the
+    search's wall time in seconds."""
     path: List[Tuple[int, int]]
     sliced: Optional[List[int]]
     optimizer: str
     searched: bool
+    search_s: float = 0.0
 
 
-def _cotengra_search(optimizer, inputs, output, sizes) -> PathResult:
-    """Run a cotengra optimizer on integer modes; cotengra wants single-character symbols."""
-    sym = {m: opt_einsum.get_symbol(m) for m in sizes}
+def symbols(sizes):
+    """Mode id -> single-character symbol (what cotengra's hashing and trees want)."""
+    return {m: opt_einsum.get_symbol(m) for m in sizes}
+
+
+NOMINAL_FLOP_RATE = 5e10  # FLOP/s assumed by the search budget (a constant: the budget must not depend on timing)
+SEARCH_FRACTION = 0.25    # of the estimated forward + backward time, at most MAX_SEARCH_S
+MAX_SEARCH_S = 2.0
+TRIAL_S_PER_OPERAND = 5e-4  # about what one greedy trial, sliced and scored, costs per operand
+
+
+def search_budget(n_operands: int, flops: float) -> dict:
+    """The hyper-search's budget for a network of ``n_operands`` tensors whose greedy path
+    costs ``flops`` (forward, real FLOPs): trials worth about a quarter of the estimated forward
+    + backward time at :data:`NOMINAL_FLOP_RATE` (at most :data:`MAX_SEARCH_S` seconds), so a
+    contraction that takes milliseconds is not searched for seconds, and at most 32 trials (16
+    beyond 64 operands, 4 beyond 256). Depends only on the network: deterministic."""
+    cap = 32 if n_operands <= 64 else 16 if n_operands <= 256 else 4
+    budget_s = min(MAX_SEARCH_S, SEARCH_FRACTION * 3 * flops / NOMINAL_FLOP_RATE)
+    repeats = int(budget_s / (TRIAL_S_PER_OPERAND * n_operands))
+    return {"max_repeats": max(0, min(cap, repeats))}
+
+
+class PlanObjective(FlopsObjective):
+    """cotengra objective: log2 of the executor's work for a sliced tree, forward + backward:
+    ``slices x (3 x multiply-adds per slice + recomputed ones)``, after the further slicing (if
+    any) that the backward's memory model (:mod:`.slicer`) needs within ``cap`` elements.
+    Refinement stages (slicing, reconfiguration) use FLOPs as usual."""
+
+    __slots__ = ("score_tree",)
+
+    def __init__(self, score_tree: Callable):
+        super().__init__()
+        self.score_tree = score_tree
+
+    def __call__(self, trial):
+        try:
+            work = self.score_tree(trial["tree"])
+        except (ValueError, KeyError):
+            return math.inf
+        return math.log2(max(work, 1.0))
+
+
+def _seeded(fn):
+    """Run ``fn`` with Python's global ``random`` (which cotengra's greedy and slicer draw
+    from) seeded, restoring its state after: deterministic, and invisible to the caller."""
+    state = random.getstate()
+    random.seed(SEED)
+    try:
+        return fn()
+    finally:
+        random.setstate(state)
+
+
+def _cache_directory(path_cache, options) -> Optional[str]:
+    if path_cache is None:
+        path_cache = os.environ.get(PATH_CACHE_ENV) or None
+    if path_cache is None:
+        return None
+    key = hashlib.sha1(repr((_CACHE_VERSION, options)).encode()).hexdigest()[:16]
+    return os.path.join(os.fspath(path_cache), f"torch_gradops-{key}")
+
+
+def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_dir=None,
+                     score=None) -> PathResult:
+    """Run cotengra optimizers on integer modes (cotengra wants single-character symbols) and
+    keep the best tree by ``score`` (its own score for a single optimizer object); each
+    through a ``ReusableHyperOptimizer`` on ``cache_dir`` when given (HyperOptimizer options)."""
+    sym = symbols(sizes)
     back = {v: k for k, v in sym.items()}
-    tree = optimizer.search([[sym[m] for m in t] for t in inputs], [sym[m] for m in output],
-                            {sym[m]: e for m, e in sizes.items()})
-    return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], "cotengra", True)
+    c_in = [[sym[m] for m in t] for t in inputs]
+    c_out = [sym[m] for m in output]
+    c_sizes = {sym[m]: e for m, e in sizes.items()}
+    if not isinstance(optimizers, list):
+        optimizers = [optimizers]
+    searched, best, t0 = False, None, time.perf_counter()
+    for j, optimizer in enumerate(optimizers):
+        if isinstance(optimizer, dict) and cache_dir is not None:
+            opt = cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **optimizer)
+            searched |= opt.hash_query(c_in, c_out, c_sizes)[1]
+        else:
+            opt = cotengra.HyperOptimizer(**optimizer) if isinstance(optimizer, dict) else optimizer
+            searched = True
+        tree = _seeded(lambda: opt.search(c_in, c_out, c_sizes))
+        value = score(tree) if score is not None and len(optimizers) > 1 else 0.0
+        if best is None or value < best[0]:
+            best = (value, tree)
+    tree = best[1]
+    return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], name, searched,
+                      time.perf_counter() - t0 if searched else 0.0)
 
 
-def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_slices: Optional[int]) -> PathResult:
+def hyper_options(budget: dict, limit_elems, min_slices, objective) -> List[dict]:
+    """The ``HyperOptimizer`` options of the default search: without a limit one search; with
+    one, searches slicing to the limit and (given 4 trials or more) to 1/16 of it, (given 16 or
+    more) to 1/4, 1/16, 1/64 and 1/256 of it: the backward's memory may need a tree whose
+    intermediates are well below the limit. The trials are shared between them."""
+    repeats = budget["max_repeats"]
+    base = dict(methods=["greedy"], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED})
+    if limit_elems is None and not min_slices:
+        return [dict(base, max_repeats=repeats)]
+    out = []
+    divisors = (1, 4, 16, 64, 256) if repeats >= 16 else (1, 16) if repeats >= 4 else (1,)
+    targets = [None] if limit_elems is None else sorted({max(1, int(limit_elems) // d) for d in divisors},
+                                                        reverse=True)
+    for target in targets:
+        slicing = {"max_repeats": 4}
+        if target is not None:
+            slicing["target_size"] = target
+        if min_slices:
+            slicing["target_slices"] = int(min_slices)
+        out.append(dict(base, slicing_opts=slicing, max_repeats=max(1, repeats // len(targets))))
+    return out
+
+
+def _greedy_flops(inputs, output, sizes, path) -> float:
+    from .slicer import step_costs, step_table
+    return 2.0 * step_costs(step_table(inputs, output, path), sizes, ()).flops()
+
+
+def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_slices: Optional[int],
+              objective: Optional[Callable] = None, path_cache=None, select: Optional[Callable] = None) -> PathResult:
     """The path for the network ``inputs -> output`` (mode ids, extents ``sizes``).
 
-    ``optimize``: "auto" (opt_einsum's choice; "greedy" beyond 64 operands), "greedy",
-    "optimal", any opt_einsum path-optimizer name, "cotengra" (a ``HyperOptimizer`` slicing to
-    ``limit_elems`` / ``min_slices``), a cotengra optimizer object, or an explicit path."""
+    ``optimize``: "auto" (see the module docstring), "greedy" (opt_einsum's, fast), "optimal",
+    any opt_einsum path-optimizer name, "cotengra" (the "auto" hyper-search at any size), a
+    cotengra optimizer object, or an explicit path. ``objective``: ``tree -> work`` for
+    :class:`PlanObjective`; ``select``: ``tree -> work``, exact (after any further slicing),
+    to choose between the searches' best trees; ``path_cache``: the on-disk cache's directory
+    (None: ``$TORCH_GRADOPS_PATH_CACHE`` or no disk cache)."""
     n = len(inputs)
     if n == 1:
         return PathResult([], None, "single", False)
     if isinstance(optimize, str):
         name = optimize
-        if name == "auto":
-            name = "auto" if n <= 64 else "greedy"
+        budget = None
+        if name == "auto" and n > SMALL:
+            # as much search as the contraction is worth: a greedy path first tells how much
+            t0 = time.perf_counter()
+            greedy = [tuple(p) for p in opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output),
+                                                               dict(sizes))]
+            budget = search_budget(n, _greedy_flops(inputs, output, sizes, greedy))
+            if budget["max_repeats"] < 2:
+                return PathResult(greedy, None, "greedy", True, time.perf_counter() - t0)
+            name = "cotengra"
+        elif name == "auto":
+            name = "auto"
         if name == "cotengra":
-            try:
-                import cotengra
-            except ImportError:
-                raise ValueError("optimize='cotengra' needs the cotengra package (pip install cotengra)") from None
-            slicing_opts = {}
-            if limit_elems is not None:
-                slicing_opts["target_size"] = limit_elems
-            if min_slices:
-                slicing_opts["target_slices"] = min_slices
-            opt = cotengra.HyperOptimizer(max_repeats=32, progbar=False, parallel=False,
-                                          slicing_opts=slicing_opts or None)
-            return _cotengra_search(opt, inputs, output, sizes)
+            if budget is None:
+                budget = {"max_repeats": 32 if n <= 64 else 16 if n <= 256 else 4}
+            obj = PlanObjective(objective) if objective is not None else "flops"
+            opts = hyper_options(budget, limit_elems, min_slices, obj)
+            key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k != "minimize")) for o in opts)
+            return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
+                                    score=select)
         try:
             fn = opt_einsum.paths.get_path_fn(name)
         except KeyError:
             raise ValueError(f"optimize must be 'auto', 'greedy', 'optimal', 'cotengra', an opt_einsum "
                              f"path-optimizer name or an explicit path, got {optimize!r}") from None
+        t0 = time.perf_counter()
         path = fn([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
-        return PathResult([tuple(p) for p in path], None, optimize, True)
+        return PathResult([tuple(p) for p in path], None, optimize, True, time.perf_counter() - t0)
     if hasattr(optimize, "search"):  # a cotengra optimizer object
         return _cotengra_search(optimize, inputs, output, sizes)
     if isinstance(optimize, (list, tuple)):

@@ -30,22 +30,27 @@ class ContractionPlan:
         sliced_modes: labels of the sliced modes (``sliced_ids``: their mode ids);
             slice_extents: their extents; num_slices: product of the extents (slice ``s`` is
             the mixed-radix number of the modes' indices, last mode fastest; ``slice_set`` turns
-            slice ids into the executor's slice tables).
-        flops: real floating-point operations of all slices (a complex multiply-add counts 8).
+            slice groups into the executor's slice tables, lazily).
+        flops: real floating-point operations of the forward over all slices (a complex
+            multiply-add counts 8); unsliced_flops: the same path without slicing;
+            recompute_flops: what the backward recomputes over all slices (the steps before
+            the last checkpoint).
         largest_intermediate: ``(elements, bytes)`` of the largest tensor a step creates, per
-            slice.
-        slice_working_set: bytes that one slice's forward + backward holds at most, beyond the
-            operands, the output and the gradients (see :func:`~.slicer.working_set`).
-            ``memory_limit`` bounds this (and so also the largest intermediate and the
-            forward's working memory): the peak extra memory of forward + backward is about
-            ``memory_limit`` + operands + their gradients + output, whatever the number of slices.
+            slice: what ``memory_limit`` bounds.
+        modelled_peak: bytes that one slice's forward + backward holds at most beyond the
+            operands, their gradients and the output, by the executor's memory model
+            (:func:`~.slicer.memory_model`): the planner keeps it within
+            :data:`~.slicer.MODEL_CAP` x ``memory_limit``; the measured contract is
+            :data:`~.slicer.BACKWARD_FACTOR` x ``memory_limit``.
         checkpoints: the steps before which the backward keeps a checkpoint.
         program: the compiled program (:mod:`~.program`), a tuple of ints.
+        search_s / plan_s: seconds the path search / the whole planning took (0 for a search
+            answered by the on-disk path cache).
     """
 
     def __init__(self, *, expr: str, inputs, output, shapes, dtype: torch.dtype, device_type: str,
                  network: parser.Network, path, sliced, memory_limit: Optional[int], optimizer: str,
-                 searched: bool):
+                 searched: bool, checkpoints=(), copies=None, search_s: float = 0.0):
         self.expr = expr
         self.inputs = inputs
         self.output = output
@@ -57,6 +62,8 @@ class ContractionPlan:
         self.memory_limit = memory_limit
         self.optimizer = optimizer
         self.searched = searched  # a path search ran to make this plan (the cache counts them)
+        self.search_s = search_s
+        self.plan_s = 0.0
         sizes = network.sizes
         self.sliced_ids = tuple(sliced)
         self.sliced_modes = tuple(network.labels[m] for m in sliced)
@@ -65,20 +72,22 @@ class ContractionPlan:
         self.num_slices = self.slice_set.count
         self.output_shape = tuple(sizes[m] for m in network.output)
         itemsize = torch.empty((), dtype=dtype).element_size()
-        # what one slice's forward + backward holds, with as few backward checkpoints as keep it
-        # within memory_limit
+        self.itemsize = itemsize
         steps = slicer.step_table(network.inputs, network.output, self.path)
-        working, checkpoints = slicer.working_set(steps, sizes, set(sliced),
-                                                  None if memory_limit is None else memory_limit // itemsize)
-        self.slice_working_set = int(working * itemsize)
+        costs = slicer.step_costs(steps, sizes, sliced)
         self.checkpoints = tuple(checkpoints)
         prog, gemms = compile_program(network.inputs, network.output, sizes, self.path, self.sliced_ids, itemsize,
-                                      dtype.is_complex, checkpoints)
+                                      dtype.is_complex, self.checkpoints)
         self.program = encode(prog)
-        per_slice = sum(s[0] for s in gemms)
-        self.flops = int(per_slice * 2 * (4 if dtype.is_complex else 1) * self.num_slices)
+        copies = [(g[3], g[4]) for g in gemms] if copies is None else copies
+        self.modelled_peak = int(slicer.memory_model(costs, self.checkpoints, copies, dtype.is_complex) * itemsize)
+        scale = 2 * (4 if dtype.is_complex else 1)
+        self.flops = int(costs.flops() * scale * self.num_slices)
+        self.unsliced_flops = int(slicer.step_costs(steps, sizes, ()).flops() * scale)
+        cut = self.checkpoints[-1] if self.checkpoints else 0
+        self.recompute_flops = int(sum(costs.macs[:cut]) * scale * self.num_slices)
         sset = set(sliced)
-        largest = max([s[1] for s in gemms] + [math.prod(sizes[m] for m in network.output if m not in sset)])
+        largest = max([costs.largest] + [math.prod(sizes[m] for m in network.output if m not in sset)])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
         self._derivatives: Dict[int, Tuple["ContractionPlan", List[int], List[int]]] = {}
         self._batched: Dict[Tuple[Tuple[int, ...], int], "ContractionPlan"] = {}
@@ -87,6 +96,19 @@ class ContractionPlan:
     def slice_indices(self, s: int) -> Tuple[int, ...]:
         """The sliced modes' indices of slice ``s``."""
         return self.slice_set.indices(s)
+
+    # -- cost -----------------------------------------------------------------------------
+    def estimated_seconds(self, gradients: bool = True) -> float:
+        """Estimated wall time of the forward (+ backward) over all slices on this plan's device
+        type: FLOPs over the device's GEMM rate, measured once per process
+        (:func:`device_flop_rate`). Forward + backward is 3x the forward's FLOPs plus what the
+        backward recomputes (a scalar output's gradient is computed during the forward), plus a
+        fixed cost per executor step and slice (:data:`STEP_OVERHEAD_S`), which dominates plans
+        of many tiny slices."""
+        work = self.flops * 3 + self.recompute_flops if gradients else self.flops
+        steps = self.num_slices * max(len(self.path), 1) * (3 if gradients else 1)
+        return work / device_flop_rate(self.device_type, self.dtype) + \
+            steps * STEP_OVERHEAD_S.get(self.device_type, STEP_OVERHEAD_S["cpu"])
 
     # -- operands ---------------------------------------------------------------------------
     def prepare(self, operands) -> List[torch.Tensor]:
@@ -105,9 +127,9 @@ class ContractionPlan:
     def contract(self, *operands, slices=None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
                  progress: bool = False) -> torch.Tensor:
         """Contract ``operands`` (shapes as planned) over the slice group ``slices`` (None: all;
-        a range or list of slice ids: their partial sum, or their output blocks when a sliced
-        mode is an output mode). ``out``: write (or with ``accumulate`` add) the result into this
-        tensor (no autograd). ``progress``: a tqdm bar over slices.
+        an int, a range or a list of slice ids: their partial sum, or their output blocks when
+        a sliced mode is an output mode). ``out``: write (or with ``accumulate`` add) the
+        result into this tensor (no autograd). ``progress``: a tqdm bar over slices.
         Returns a tensor of shape :attr:`output_shape`, differentiable in the operands."""
         eff = self.prepare(operands)
         if out is None:
@@ -145,7 +167,8 @@ class ContractionPlan:
             terms = [list(net.output)] + [list(net.inputs[j]) for j in others]
             shapes = [tuple(net.sizes[m] for m in t) for t in terms]
             p = PLANS.build(None, lambda: build_plan(None, terms, list(target), shapes, self.dtype, self.device_type,
-                                                     None, "auto", list(self.sliced_ids), interleaved=True))
+                                                     None, "auto", list(self.sliced_ids), interleaved=True,
+                                                     max_overhead=None))
             self._derivatives[i] = (p, target, others)
         return self._derivatives[i]
 
@@ -164,18 +187,70 @@ class ContractionPlan:
             output = [batch] + list(net.output)
             self._batched[key] = PLANS.build(None, lambda: build_plan(
                 None, terms, output, shapes, self.dtype, self.device_type, None, "auto", list(self.sliced_ids),
-                interleaved=True))
+                interleaved=True, max_overhead=None))
         return self._batched[key]
 
     def __repr__(self):
         li_el, li_b = self.largest_intermediate
         path = self.path if len(self.path) <= 8 else self.path[:8] + ["..."]
-        return (f"ContractionPlan(expr={self.expr!r}, shapes={list(self.shapes)}, dtype={self.dtype}, "
+        return (f"ContractionPlan(expr={self.expr!r}, shapes={_short(list(self.shapes))}, dtype={self.dtype}, "
                 f"device_type={self.device_type!r}, optimizer={self.optimizer!r}, path={path} "
                 f"({len(self.path)} steps), sliced_modes={list(self.sliced_modes)}, num_slices={self.num_slices}, "
-                f"flops={self.flops:.4g}, largest_intermediate={li_el} elements ({format_bytes(li_b)}), "
-                f"slice_working_set={format_bytes(self.slice_working_set)}, checkpoints={len(self.checkpoints)}, "
-                f"memory_limit={None if self.memory_limit is None else format_bytes(self.memory_limit)})")
+                f"flops={self.flops:.4g} (unsliced {self.unsliced_flops:.4g}), "
+                f"largest_intermediate={li_el} elements ({format_bytes(li_b)}), "
+                f"modelled_peak={format_bytes(self.modelled_peak)}, checkpoints={len(self.checkpoints)}, "
+                f"recompute_flops={self.recompute_flops:.4g}, "
+                f"memory_limit={None if self.memory_limit is None else format_bytes(self.memory_limit)}, "
+                f"estimated_time={_seconds(self.estimated_seconds(False))} forward, "
+                f"{_seconds(self.estimated_seconds(True))} forward+backward)")
+
+
+def _short(shapes):
+    return shapes if len(shapes) <= 6 else shapes[:6] + [f"... {len(shapes)} operands"]
+
+
+def _seconds(s: float) -> str:
+    if s < 1:
+        return f"{s * 1e3:.3g} ms"
+    if s < 3600:
+        return f"{s:.3g} s"
+    if s < 86400 * 365:
+        return f"{s / 3600:.3g} h"
+    return f"{s / (86400 * 365):.3g} years"
+
+
+_RATES: Dict[Tuple[str, bool], float] = {}
+# Seconds per executor step and slice besides its FLOPs (dispatch; on CUDA a kernel launch):
+# a lower bound, measured as about 2-5 us per step on small slices on CPU.
+STEP_OVERHEAD_S: Dict[str, float] = {"cpu": 2e-6, "cuda": 5e-6}
+
+
+def device_flop_rate(device_type: str, dtype: torch.dtype) -> float:
+    """FLOP/s of a 512 x 512 GEMM on ``device_type`` (CUDA: the current device) in ``dtype``'s
+    real or complex single precision, measured once per process (about 10 ms) and cached: the
+    basis of :meth:`ContractionPlan.estimated_seconds`. Falls back to 1e10 FLOP/s where the
+    device cannot run it (meta tensors, no CUDA)."""
+    key = (device_type, dtype.is_complex)
+    if key not in _RATES:
+        rate = 1e10
+        try:
+            dev = torch.device(device_type)
+            dt = torch.complex64 if dtype.is_complex else torch.float32
+            a = torch.randn(512, 512, device=dev).to(dt)
+            sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)  # noqa: E731
+            a @ a
+            sync()
+            import time
+            t0 = time.perf_counter()
+            for _ in range(3):
+                a @ a
+            sync()
+            dt_s = (time.perf_counter() - t0) / 3
+            rate = 2 * 512 ** 3 * (4 if dtype.is_complex else 1) / max(dt_s, 1e-9)
+        except (RuntimeError, NotImplementedError):
+            pass
+        _RATES[key] = rate
+    return _RATES[key]
 
 
 # ---------------------------------------------------------------------------- planning
@@ -214,11 +289,82 @@ def _forced_modes(slicing, network: parser.Network):
     return forced, min_slices
 
 
+class _Slicing:
+    """Sliced modes and checkpoints for a path: :func:`~.slicer.choose_sliced` to the limit,
+    then, where no checkpoint placement keeps the backward's modelled memory within the cap,
+    further slicing (the fallback)."""
+
+    def __init__(self, network, limit_elems, min_slices, forced, is_complex):
+        self.network = network
+        self.limit_elems = limit_elems
+        self.min_slices = min_slices
+        self.forced = list(forced)
+        self.is_complex = is_complex
+        self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems
+        self._final = {}
+
+    def excess(self, copies=None):
+        def fits(sset, costs):
+            peak, _, _ = slicer.place_checkpoints(costs, self.cap, copies, self.is_complex)
+            return peak - self.cap
+        return fits if self.cap is not None else None
+
+    def choose(self, path, suggested=(), copies=None):
+        net = self.network
+        steps = slicer.step_table(net.inputs, net.output, path)
+        start = self.forced + [m for m in (suggested or []) if m not in self.forced]
+        sliced = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start,
+                                      self.excess(copies))
+        return steps, sliced
+
+    def finalize(self, path, suggested=(), itemsize=8):
+        """``(steps, sliced, checkpoints, copies)`` for a path: sliced to the limit, then, with
+        the compiled layout's copies in the memory model, checkpoints, slicing further while no
+        placement fits the cap. Memoised per path (the search's candidates, then the plan)."""
+        key = (tuple(map(tuple, path)), tuple(suggested or ()), itemsize)
+        if key in self._final:
+            return self._final[key]
+        net = self.network
+        steps, sliced = self.choose(path, suggested)
+        for _ in range(4):
+            costs = slicer.step_costs(steps, net.sizes, sliced)
+            copies = _copies(net, path, sliced, itemsize, self.is_complex)
+            peak, checkpoints, recompute = slicer.place_checkpoints(costs, self.cap, copies, self.is_complex)
+            if self.cap is None or peak <= self.cap:
+                break
+            more = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, sliced,
+                                        self.excess(copies))
+            if more == sliced:
+                break
+            sliced = more
+        work = math.prod(net.sizes[m] for m in sliced) * (3.0 * costs.flops() + recompute)
+        self._final[key] = (steps, sliced, checkpoints, copies, work)
+        return self._final[key]
+
+    def work(self, path, suggested=()) -> float:
+        """The search's score: multiply-adds of forward + backward over all slices, with the
+        backward's recomputation; a tree whose modelled memory does not fit the cap even with
+        checkpoints is charged (peak / cap)^2 on top, a proxy for the slicing it will need."""
+        net = self.network
+        steps = slicer.step_table(net.inputs, net.output, path)
+        start = self.forced + [m for m in (suggested or []) if m not in self.forced]
+        sliced = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start)
+        costs = slicer.step_costs(steps, net.sizes, sliced)
+        peak, _, recompute = slicer.place_checkpoints(costs, self.cap, None, self.is_complex)
+        nslices = math.prod(net.sizes[m] for m in sliced)
+        work = nslices * (3.0 * costs.flops() + recompute)
+        if self.cap is not None and peak > self.cap:
+            work *= (peak / self.cap) ** 2
+        return work
+
+
 @torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling
 def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing,
-               device=None, interleaved=False, gradients=True) -> ContractionPlan:
+               device=None, interleaved=False, path_cache=None, max_overhead=1e4) -> ContractionPlan:
     """Plan the contraction of operands with ``shapes`` and mode labels ``terms`` into
     ``output`` (None: implicit), with the options of :func:`~.contract.plan`."""
+    import time
+    t0 = time.perf_counter()
     terms, out, sizes, broadcast = parser.normalize_labels(terms, output, shapes)
     network = parser.network_of(terms, out, sizes, broadcast)
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -227,14 +373,48 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     if limit_elems == 0:
         raise ValueError(f"memory_limit cannot be met: {limit} bytes is less than one {dtype} element")
     forced, min_slices = _forced_modes(slicing, network)
-    found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices)
-    steps = slicer.step_table(network.inputs, network.output, found.path)
-    start = list(forced) + [m for m in (found.sliced or []) if m not in forced]
-    sliced = slicer.greedy_slice(steps, network.sizes, network.output, limit_elems, min_slices, start, gradients)
-    return ContractionPlan(expr=expr if expr is not None else parser.describe(terms, out),
+    if max_overhead is not None and not (isinstance(max_overhead, (int, float)) and max_overhead >= 1):
+        raise ValueError(f"max_overhead must be a number >= 1 or None, got {max_overhead!r}")
+    slicing_ = _Slicing(network, limit_elems, min_slices, forced, dtype.is_complex)
+    sym_back = {v: k for k, v in paths.symbols(network.sizes).items()}
+
+    def score_tree(tree):
+        return slicing_.work([tuple(p) for p in tree.get_path()], [sym_back[s] for s in tree.sliced_inds])
+
+    def select_tree(tree):
+        path = [tuple(p) for p in tree.get_path()]
+        return slicing_.finalize(path, [sym_back[s] for s in tree.sliced_inds], itemsize)[-1]
+
+    found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
+                            objective=score_tree, path_cache=path_cache, select=select_tree)
+    steps, sliced, checkpoints, copies, _ = slicing_.finalize(found.path, found.sliced, itemsize)
+    plan = ContractionPlan(expr=expr if expr is not None else parser.describe(terms, out),
                            inputs=[tuple(t) for t in terms], output=tuple(out), shapes=shapes, dtype=dtype,
                            device_type=device_type, network=network, path=found.path, sliced=sliced,
-                           memory_limit=limit, optimizer=found.optimizer, searched=found.searched)
+                           memory_limit=limit, optimizer=found.optimizer, searched=found.searched,
+                           checkpoints=checkpoints, copies=copies, search_s=found.search_s)
+    if max_overhead is not None and plan.flops > max_overhead * max(plan.unsliced_flops, 1):
+        raise ValueError(
+            f"this plan is too expensive: {plan.num_slices} slices cost {plan.flops:.3g} FLOPs, "
+            f"{plan.flops / max(plan.unsliced_flops, 1):.3g}x the unsliced {plan.unsliced_flops:.3g} "
+            f"(estimated {_seconds(plan.estimated_seconds(False))} forward on {device_type}); raise "
+            f"memory_limit (now {format_bytes(limit) if limit is not None else None}; the unsliced largest "
+            f"intermediate is {format_bytes(_unsliced_largest(steps, network.sizes) * itemsize)}), slice fewer "
+            f"modes, or pass max_overhead=None to create it anyway and contract slice groups of it lazily")
+    plan.plan_s = time.perf_counter() - t0
+    return plan
+
+
+def _copies(network, path, sliced, itemsize, is_complex):
+    """Per step (copied intermediate input elements, result copied by its reader), from the
+    compiled layout."""
+    _, gemms = compile_program(network.inputs, network.output, network.sizes, path, tuple(sliced), itemsize,
+                               is_complex)
+    return [(g[3], g[4]) for g in gemms]
+
+
+def _unsliced_largest(steps, sizes) -> int:
+    return slicer.step_costs(steps, sizes, ()).largest
 
 
 # ---------------------------------------------------------------------------- cache

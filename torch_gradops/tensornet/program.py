@@ -204,3 +204,10 @@ def _contract_program_cached_fake(operands, program, slice_table, needs_grad):
 def _contract_program_backward_fake(operands, program, slice_table, grad_out, needs_grad, cached):
     return [torch.empty_like(op, memory_format=torch.contiguous_format) if n else op.new_empty((0,))
             for op, n in zip(operands, needs_grad)]
+
+
+@torch.library.register_fake("torch_gradops::contract_program_accumulate")
+def _contract_program_accumulate_fake(operands, program, slice_table, grad_out, grads):
+    if grad_out is not None:
+        return operands[0].new_empty((0,))
+    return operands[0].new_empty(decode(program).out_shape)

@@ -1,20 +1,35 @@
-"""Slicing: memory limits, the cost model of one slice, choosing sliced modes, and slice ids.
+"""Slicing: memory limits, the memory model of one slice, choosing sliced modes, and slice ids.
 
 Slicing a mode fixes its index: the network splits into ``extent`` independent slices whose
-results add up (or, for an output mode, fill their own blocks of the output). The planner slices
-modes until one slice's modelled memory fits ``memory_limit`` (:func:`greedy_slice`), and
-:class:`Slices` turns slice ids into the per-slice mode indices the executor takes.
+results add up (or, for an output mode, fill their own blocks of the output).
+
+``memory_limit`` bounds the largest intermediate of one slice (as cotengra's ``target_size``):
+:func:`choose_sliced` slices modes until every step result fits. The backward then keeps its
+extra memory within :data:`BACKWARD_FACTOR` x ``memory_limit`` by recomputation between
+checkpoints: :func:`memory_model` models what the executor holds for one slice's forward +
+backward, and :func:`place_checkpoints` places the fewest-recomputation checkpoints that keep
+it under the cap (slicing more only where no placement can). :class:`Slices` turns slice ids
+into the executor's slice tables, lazily, in chunks.
 """
 from __future__ import annotations
 
 import math
 import os
 import re
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["parse_memory_limit", "step_table", "working_set", "slice_cost", "greedy_slice", "Slices"]
+__all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs",
+           "memory_model", "place_checkpoints", "choose_sliced", "Slices"]
+
+# The measured contract: forward + backward of a plan made with memory_limit L holds at most
+# BACKWARD_FACTOR * L beyond the operands, their gradients and the output, whatever the number
+# of slices (tests/test_tensornet.py measures it). The planner keeps its model of that memory
+# under MODEL_CAP * L, leaving the rest for what the model does not see (allocator-level
+# temporaries of ATen ops).
+BACKWARD_FACTOR = 4
+MODEL_CAP = 3.5
 
 
 # ---------------------------------------------------------------------------- memory limits
@@ -58,7 +73,7 @@ def parse_memory_limit(limit, device: Union[str, torch.device, None] = None) -> 
     return int(value * _UNITS[unit])
 
 
-# ---------------------------------------------------------------------------- cost model
+# ---------------------------------------------------------------------------- steps
 def step_table(inputs, output, path):
     """Per pairwise step of ``path``: (frozenset of modes involved, frozenset of result modes,
     the two operands' mode sets, the steps that produced them or -1 for operands), with
@@ -91,132 +106,250 @@ def step_table(inputs, output, path):
     return steps
 
 
-def working_set(steps, sizes, sliced, limit=None) -> Tuple[int, List[int]]:
-    """(elements one slice's forward + backward holds, checkpoints): the model of what the
-    executor keeps, and the steps before which its backward checkpoints.
+class StepCosts:
+    """Per step of one slice (``sliced`` modes removed), in elements: ``macs`` (multiply-adds),
+    ``result`` (the step's result), ``inputs`` (its two operands' sizes) and ``from_step``
+    (the steps that made them, -1 for operands), ``consumer`` (the step that reads the result;
+    ``n`` for the last one)."""
+    __slots__ = ("macs", "result", "inputs", "from_step", "consumer")
 
-    The backward recomputes a slice segment by segment: a forward pass keeps the live
-    intermediates at each checkpoint, then, from the last segment to the first, it recomputes
-    the segment from its checkpoint keeping every step's inputs and sweeps back through it,
-    freeing each step's inputs as it creates their gradients. Held at once, at most: the
-    checkpoints up to the segment, the segment's step inputs, the gradients of the
-    intermediates live at its end, and the temporaries of one step (twice its operands and
-    result: gradients, and the copies a permuted reshape or a conjugation can make).
-    Operands, the output and operand gradients (added into their buffers as soon as they are
-    complete) are not counted. No checkpoints (one segment) is fastest; with ``limit``, the
-    fewest checkpoints (greedy segments of geometrically shrinking size) that fit it, else
-    the smallest working set found."""
-    n = len(steps)
+    def __init__(self, steps, sizes, sliced):
+        size = lambda ms: math.prod(sizes[m] for m in ms if m not in sliced)  # noqa: E731
+        n = len(steps)
+        self.macs = [size(allm) for allm, _, _, _ in steps]
+        self.result = [size(res) for _, res, _, _ in steps]
+        self.inputs = [tuple(size(s) for s in sets) for _, _, sets, _ in steps]
+        self.from_step = [tuple(prods) for _, _, _, prods in steps]
+        self.consumer = [n] * n
+        for j, prods in enumerate(self.from_step):
+            for p in prods:
+                if p >= 0:
+                    self.consumer[p] = j
+
+    @property
+    def largest(self) -> int:
+        return max(self.result, default=1)
+
+    def flops(self) -> int:
+        return sum(self.macs)
+
+
+def step_costs(steps, sizes, sliced) -> StepCosts:
+    return StepCosts(steps, sizes, set(sliced))
+
+
+# ---------------------------------------------------------------------------- memory model
+def _transients(costs: StepCosts, copies=None, complex_=False) -> List[int]:
+    """Per step, what it holds briefly beyond the slice's intermediates: in the forward, the
+    copies of intermediate operands it lays out for the GEMM (the original is freed after the
+    step); in the backward, the gradient of the smaller operand (the larger one is written over
+    its own operand), a contiguous copy of the result's gradient when its reader copied the
+    result, and for complex dtypes a conjugated copy of one operand."""
+    out = []
+    for j, (ia, ib) in enumerate(costs.inputs):
+        t = min(ia, ib)
+        if copies is not None:
+            if copies[j][1]:
+                t += costs.result[j]
+            t = max(t, sum(costs.result[p] for p in copies[j][0]))
+        if complex_:
+            t += max(ia, ib)
+        out.append(t)
+    return out
+
+
+def _segment_items(costs: StepCosts, copies, lo, hi) -> int:
+    """Elements a segment's recomputation holds: its steps' results, and the copies it makes of
+    intermediates from earlier segments (whose originals the checkpoint keeps)."""
+    held = sum(costs.result[lo:hi])
+    if copies is not None:
+        held += sum(costs.result[p] for j in range(lo, hi) for p in copies[j][0] if p < lo)
+    return held
+
+
+def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None, complex_=False) -> int:
+    """Elements that one slice's forward + backward holds at most beyond the operands (and
+    copies of their slices), the operands' gradient buffers and the output, with a backward
+    CHECKPOINT before each step in ``checkpoints``: the model of the executor
+    (``csrc/contract.cpp``).
+
+    The executor runs the forward to the last checkpoint keeping the live intermediates at each
+    checkpoint, then from the last segment to the first recomputes the segment keeping its GEMM
+    operands and sweeps back through it, writing each operand's gradient over the operand. So
+    an intermediate's memory lives from its creation to the backward of the step that made it,
+    and while segment ``s`` is processed the executor holds every intermediate of ``s``, the
+    intermediates of earlier segments that later segments read (checkpointed), and one step's
+    transients (:func:`_transients`). ``copies``: per step (the steps whose results it copies,
+    whether its result is copied by its reader), from the compiler; None: no copies."""
+    n = len(costs.result)
     if n == 0:
-        return 0, []
-    c, held_in, peak = [], [], 0
-    consumer = [n] * n
-    for j, (allm, res, sets, prods) in enumerate(steps):
-        c.append(math.prod(sizes[m] for m in res if m not in sliced))
-        ins = [math.prod(sizes[m] for m in s if m not in sliced) for s in sets]
-        held_in.append(sum(x for x, p in zip(ins, prods) if p >= 0))
-        for p in prods:
-            if p >= 0:
-                consumer[p] = j
-        peak = max(peak, 2 * (sum(ins) + c[-1]))
-
-    def ckpt(b):  # intermediates made before step b and used at or after it
-        return sum(c[p] for p in range(b) if b <= consumer[p] < n)
-
-    def evaluate(bounds):
-        edges = bounds + [n]
-        total_ck, worst = 0, 0
-        for j in range(len(bounds)):
-            total_ck += ckpt(edges[j])
-            seg = sum(held_in[edges[j]:edges[j + 1]])
-            worst = max(worst, total_ck + seg + (ckpt(edges[j + 1]) if edges[j + 1] < n else 0))
-        return worst + peak
-
-    whole = sum(held_in)
-    best = (evaluate([0]), [0])
-    if limit is None or best[0] <= limit:
-        return best[0], []
-    target = whole / 2
-    floor = max(held_in)
-    while target >= floor and target > 0:
-        bounds, acc = [0], 0
-        for j in range(n):
-            if acc and acc + held_in[j] > target:
-                bounds.append(j)
-                acc = 0
-            acc += held_in[j]
-        w = evaluate(bounds)
-        if w <= limit:
-            return w, bounds[1:]
-        if w < best[0]:
-            best = (w, bounds)
-        target /= 2
-    return best[0], best[1][1:]
+        return 0
+    bounds = sorted(set(checkpoints) | {0}) + [n]
+    trans = _transients(costs, copies, complex_)
+    peak, cross = 0, 0
+    for s in range(len(bounds) - 1):
+        lo, hi = bounds[s], bounds[s + 1]
+        if lo >= hi:
+            continue
+        peak = max(peak, cross + _segment_items(costs, copies, lo, hi) + max(trans[lo:hi]))
+        cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
+    return peak
 
 
-def slice_cost(steps, sizes, sliced, limit=None) -> Tuple[int, int, int]:
-    """(multiply-adds of one slice, largest step result, working set of one slice's forward +
-    backward (:func:`working_set`)), in elements, with ``sliced`` removed."""
-    flops, largest = 0, 0
-    for allm, res, _, _ in steps:
-        flops += math.prod(sizes[m] for m in allm if m not in sliced)
-        largest = max(largest, math.prod(sizes[m] for m in res if m not in sliced))
-    return flops, largest, working_set(steps, sizes, sliced, limit)[0]
+def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
+                      complex_=False) -> Tuple[int, List[int], int]:
+    """``(modelled peak, checkpoints, recomputed multiply-adds)``: backward checkpoints that
+    keep :func:`memory_model` within ``cap`` elements with the least recomputation, or the
+    lowest-peak placement found when none fits (the caller then slices more).
+
+    The executor recomputes, once, every step before the last checkpoint; so the cost depends
+    only on the last checkpoint, which goes as early as the memory allows, and the earlier ones
+    are placed greedily (each segment as long as the cap allows)."""
+    n = len(costs.result)
+    whole = memory_model(costs, (), copies, complex_)
+    if cap is None or whole <= cap or n <= 1:
+        return whole, [], 0
+    trans = _transients(costs, copies, complex_)
+    item = list(costs.result)
+    # live(b): intermediates made before step b and read at or after it (all checkpointed)
+    consumed_at = [0] * (n + 1)
+    for j in range(n):
+        consumed_at[costs.consumer[j]] += costs.result[j]
+    live = [0] * (n + 1)
+    for b in range(n):
+        live[b + 1] = live[b] + costs.result[b] - consumed_at[b]
+    tail_held = [0] * (n + 1)
+    tail_trans = [0] * (n + 1)
+    for b in range(n - 1, -1, -1):
+        tail_held[b] = tail_held[b + 1] + item[b]
+        tail_trans[b] = max(tail_trans[b + 1], trans[b])
+    best = (whole, [], 0)
+    prefix_macs = 0
+    for b in range(1, n):
+        prefix_macs += costs.macs[b - 1]
+        if live[b] + tail_held[b] + tail_trans[b] > cap:
+            continue  # even with nothing else checkpointed the last segment does not fit
+        bounds = _greedy_segments(costs, copies, trans, b, cap)
+        if bounds is None:
+            continue
+        peak = memory_model(costs, bounds, copies, complex_)
+        if peak <= cap:
+            return peak, bounds, prefix_macs
+        if peak < best[0]:
+            best = (peak, bounds, prefix_macs)
+    if best[1] == [] and n > 1:  # nothing fits: the lowest-peak placement (a checkpoint per step)
+        every = list(range(1, n))
+        peak = memory_model(costs, every, copies, complex_)
+        if peak < best[0]:
+            best = (peak, every, sum(costs.macs[:-1]))
+    return best
 
 
-def greedy_slice(steps, sizes, output, limit_elems, min_slices, forced, gradients=True) -> List[int]:
-    """Sliced modes for a path: starting from ``forced``, add the mode that most lowers one
-    slice's forward + backward working set (:func:`slice_cost`; ties: least total work) until it
-    and every intermediate fit ``limit_elems`` and ``min_slices`` holds. With
-    ``gradients=False`` only the intermediates (the forward) must fit."""
+def _greedy_segments(costs, copies, trans, last, cap) -> Optional[List[int]]:
+    """Boundaries of segments covering steps ``[0, last)`` (each as long as ``cap`` allows) and
+    ``last``; None when a single step does not fit."""
+    bounds, cross, lo = [], 0, 0
+    while lo < last:
+        hi, fit = lo + 1, None
+        while hi <= last:
+            need = cross + _segment_items(costs, copies, lo, hi) + max(trans[lo:hi])
+            if need > cap and hi > lo + 1:
+                break
+            fit = (hi, need)
+            hi += 1
+        hi, need = fit
+        if need > cap:
+            return None
+        if lo:
+            bounds.append(lo)
+        cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
+        lo = hi
+    bounds.append(last)
+    return bounds
+
+
+# ---------------------------------------------------------------------------- sliced modes
+def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: Optional[int],
+                  forced: Sequence[int], fits=None) -> List[int]:
+    """Sliced modes for a path: starting from ``forced``, add modes until every step result of
+    one slice fits ``limit_elems`` (the mode that lowers the largest one most, ties: least total
+    work), there are ``min_slices`` slices (least total work), and ``fits(sliced, costs)`` is
+    <= 0 (the mode that lowers it most). Every unsliced mode of extent > 1 that occurs in a
+    step or the output is a candidate, so the limit can always be met with ``limit_elems >= 1``."""
     sliced = list(forced)
     sset = set(sliced)
-    out_size = lambda s: math.prod(sizes[m] for m in output if m not in s)  # noqa: E731
+    n = len(steps)
+    res_sets = [res for _, res, _, _ in steps] + [frozenset(output)]  # the output block counts too
+    all_sets = [allm for allm, _, _, _ in steps]
+    universe = sorted(m for m in set().union(*all_sets, res_sets[-1]) if sizes[m] > 1)
+    in_res = {m: [j for j, r in enumerate(res_sets) if m in r] for m in universe}
+    in_all = {m: [j for j, a in enumerate(all_sets) if m in a] for m in universe}
+    size = lambda ms: math.prod(sizes[m] for m in ms if m not in sset)  # noqa: E731
+    result = [size(r) for r in res_sets]
+    macs = [size(a) for a in all_sets]
     while True:
-        flops, largest, working = slice_cost(steps, sizes, sset, limit_elems)
-        need = max(largest, working if gradients else 0, out_size(sset))
+        largest = max(result)
         nslices = math.prod(sizes[m] for m in sliced)
-        over = limit_elems is not None and need > limit_elems
-        if not over and nslices >= (min_slices or 1):
-            return sliced
-        cands = set()
-        for allm, res, _, _ in steps:
-            cands.update(m for m in (res if over else allm) if m not in sset and sizes[m] > 1)
-        if over:
-            cands.update(m for m in output if m not in sset and sizes[m] > 1)
+        over = limit_elems is not None and largest > limit_elems
+        few = nslices < (min_slices or 1)
+        if not over and not few:
+            if fits is None or fits(sset, StepCosts(steps, sizes, sset)) <= 0:
+                return sliced
+        if over:  # only modes of the results over the limit can lower the largest
+            cands = sorted({m for j, r in enumerate(res_sets) if result[j] > limit_elems for m in r
+                            if m not in sset and sizes[m] > 1})
+        elif few:
+            cands = [m for m in universe if m not in sset]
+        else:  # the modelled memory: modes of the larger intermediates
+            cands = sorted({m for j, r in enumerate(res_sets) if 16 * result[j] >= largest for m in r
+                            if m not in sset and sizes[m] > 1})
         if not cands:
-            if over:
-                raise ValueError(
-                    f"memory_limit cannot be met: even with modes {sorted(sset)} sliced, one slice's "
-                    f"{'forward + backward working set' if gradients else 'forward'} needs {need} elements "
-                    f"(limit {limit_elems} elements; largest intermediate {largest} elements)")
-            raise ValueError(f"slicing: cannot reach min_slices={min_slices}; only {nslices} slice(s) possible")
+            if over:  # pragma: no cover - every mode sliced leaves results of one element
+                raise ValueError(f"memory_limit cannot be met: {limit_elems} elements")
+            if few:
+                raise ValueError(f"slicing: cannot reach min_slices={min_slices}; only {nslices} slice(s) possible")
+            return sliced  # fits() cannot be met: the caller reports the modelled peak
+        total_macs = sum(macs)
         best, best_key = None, None
-        for m in sorted(cands):
-            s2 = sset | {m}
-            f2, l2, w2 = slice_cost(steps, sizes, s2, limit_elems)
-            w2 = w2 if gradients else 0
-            need2 = max(l2, w2, out_size(s2))
-            total = f2 * nslices * sizes[m]
-            # over the limit: the mode that lowers the need most, where any that meets the limit
-            # ties and the least total work decides
-            key = (max(need2, limit_elems) if over else 0, total, -sizes[m])
+        for m in cands:
+            e = sizes[m]
+            saved = sum(macs[j] for j in in_all[m]) * (e - 1) // e
+            total = (total_macs - saved) * nslices * e
+            if over:
+                hit = set(in_res[m])
+                l2 = max(result[j] // e if j in hit else result[j] for j in range(n + 1))
+                key = (max(l2, limit_elems), total, -e)
+            elif few:
+                key = (0, total, -e)
+            else:
+                s2 = sset | {m}
+                key = (max(fits(s2, StepCosts(steps, sizes, s2)), 0.0), total, -e)
             if best_key is None or key < best_key:
                 best, best_key = m, key
         sliced.append(best)
         sset.add(best)
+        e = sizes[best]
+        for j in in_res[best]:
+            result[j] //= e
+        for j in in_all[best]:
+            macs[j] //= e
 
 
 # ---------------------------------------------------------------------------- slice ids
+MAX_TABLE_ROWS = 1 << 16  # rows of one executor call: bounded, so no slice list is ever materialised
+
+
 class Slices:
     """The slices of a plan: slice ``s`` is the mixed-radix number of the sliced modes' indices
-    (last mode fastest). A *slice group* is None (all slices), an int, a range or a list of ids.
+    (last mode fastest). A *slice group* is None (all slices), an int, a range or a list of ids;
+    groups are never expanded into lists: :meth:`chunks` yields the executor's slice tables a
+    bounded number of rows at a time, so a plan with 2^40 slices costs nothing until run.
     """
 
     def __init__(self, extents: Sequence[int]):
         self.extents = tuple(int(e) for e in extents)
         self.count = int(math.prod(self.extents))
-        self._tables: Dict[object, Optional[Tuple[int, ...]]] = {}
+        self._tables: Dict[object, Tuple[Tuple[int, ...], ...]] = {}
 
     def indices(self, s: int) -> Tuple[int, ...]:
         """The sliced modes' indices of slice ``s``."""
@@ -226,33 +359,78 @@ class Slices:
             s //= ext
         return tuple(reversed(idx))
 
-    def ids(self, slices) -> List[int]:
-        """The slice ids of a slice group, checked."""
+    def group(self, slices) -> Union[range, Tuple[int, ...]]:
+        """A slice group, checked: a range (None and ranges; O(1)) or a tuple of ids."""
         if slices is None:
-            return list(range(self.count))
+            return range(self.count)
         if isinstance(slices, int) and not isinstance(slices, bool):
-            slices = [slices]
-        if not isinstance(slices, (range, list, tuple)):
-            raise TypeError(f"slices must be None, a range or a list of slice ids, got {type(slices).__name__}")
-        ids = list(slices)
-        for s in ids:
+            slices = (slices,)
+        if isinstance(slices, range):
+            if len(slices) and not (0 <= slices[0] < self.count and 0 <= slices[-1] < self.count):
+                bad = slices[0] if not 0 <= slices[0] < self.count else slices[-1]
+                raise ValueError(f"slices: slice id {bad!r} is out of range for a plan with {self.count} slice(s)")
+            return slices
+        if not isinstance(slices, (list, tuple)):
+            raise TypeError(f"slices must be None, an int, a range or a list of slice ids, got {type(slices).__name__}")
+        for s in slices:
             if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < self.count:
                 raise ValueError(f"slices: slice id {s!r} is out of range for a plan with {self.count} slice(s)")
-        return ids
+        return tuple(slices)
+
+    def ids(self, slices) -> Union[range, Tuple[int, ...]]:
+        """The slice ids of a slice group (a range or a tuple, never an expanded list)."""
+        return self.group(slices)
+
+    def size(self, slices) -> int:
+        """How many slices a group has."""
+        return len(self.group(slices))
+
+    def _rows(self, ids) -> Tuple[int, ...]:
+        if not self.extents:
+            return ()
+        if isinstance(ids, range) and ids.step == 1 and len(self.extents) > 0:
+            # consecutive ids: count in mixed radix instead of dividing each id
+            idx = list(self.indices(ids[0])) if len(ids) else []
+            out = []
+            exts = self.extents
+            last = len(exts) - 1
+            for _ in range(len(ids)):
+                out.extend(idx)
+                d = last
+                while d >= 0:
+                    idx[d] += 1
+                    if idx[d] < exts[d]:
+                        break
+                    idx[d] = 0
+                    d -= 1
+            return tuple(out)
+        return tuple(i for s in ids for i in self.indices(s))
+
+    def chunks(self, slices, max_rows: int = MAX_TABLE_ROWS) -> Iterator[Tuple[int, ...]]:
+        """The executor's slice tables of a group, ``max_rows`` slices (rows of the sliced
+        modes' indices; ``()`` for an unsliced plan) at a time; nothing for an empty group.
+        Groups of one chunk are cached."""
+        group = self.group(slices)
+        if len(group) == 0:
+            return
+        if len(group) <= max_rows:
+            key = group if isinstance(group, range) else None
+            if key is not None and key in self._tables:
+                yield self._tables[key]
+                return
+            table = self._rows(group)
+            if key is not None and len(self._tables) < 64:
+                self._tables[key] = table
+            yield table
+            return
+        for c in range(0, len(group), max_rows):
+            yield self._rows(group[c:c + max_rows])
 
     def table(self, slices) -> Optional[Tuple[int, ...]]:
-        """The executor's slice table: the indices of every slice in the group, one row per
-        slice (``()`` for an unsliced plan); None for an empty group. Cached for None/ranges."""
-        key = slices if slices is None or isinstance(slices, range) else None
-        if key is not None and key in self._tables:
-            return self._tables[key]
-        ids = self.ids(slices)
-        if not ids:
-            table = None
-        elif not self.extents:
-            table = ()
-        else:
-            table = tuple(i for s in ids for i in self.indices(s))
-        if key is not None:
-            self._tables[key] = table
-        return table
+        """The slice table of a group that fits one executor call (None for an empty group);
+        larger groups: :meth:`chunks`."""
+        group = self.group(slices)
+        if len(group) > MAX_TABLE_ROWS:
+            raise ValueError(f"slices: a group of {len(group)} slices is more than one table holds "
+                             f"({MAX_TABLE_ROWS}); iterate over Slices.chunks()")
+        return next(iter(self.chunks(group)), None)
