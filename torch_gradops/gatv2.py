@@ -7,8 +7,11 @@ forms the pre-activation of each edge in registers (the projected edge features 
 stored) and saves only the per-(destination, head) log-sum-exp. The backward recomputes the
 pre-activations and sums without atomics in a fixed order, so gradients are bitwise
 reproducible; its workspaces are ``[E, heads]``. Nothing of size ``E x heads x channels`` is
-allocated, except on the double-backward and forward-AD paths, which are composite (see
-:class:`GATv2AttentionFunction`).
+allocated on the first-order paths. Forward-mode AD is composite but chunked over edges, so its
+``E x heads x channels`` temporaries stay within about ``E x heads`` elements; double backward
+(``create_graph=True``, ``torch.func.grad``/``jacrev``/``hessian``) is a composite
+recomputation that does materialise them (see :class:`GATv2AttentionFunction`). ``torch.func.vmap``
+folds a vmapped dimension into the heads, one kernel call for the whole batch.
 """
 from __future__ import annotations
 
@@ -17,8 +20,11 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from .library import check_backend, ops
+from torch.autograd import forward_ad
+
+from .gat import _fold_heads, _prepare_graph, _unfold_heads, _vmap_per_item
 from .graph import BipartiteCSC, csc_destinations
+from .library import check_backend, ops
 
 __all__ = ["gatv2_attention", "GATv2AttentionFunction", "mha_gat_v2_n2n"]
 
@@ -52,6 +58,40 @@ def _gatv2_backward_fake(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge
             maybe(output_mask[4] and edge_weight is not None, edge_weight))
 
 
+# ---------------------------------------------------------------------------- vmap rule
+def _fold_heads_first(t: torch.Tensor, bdim: Optional[int], batch: int) -> torch.Tensor:
+    """``att [H, C]`` (heads first) batched to ``[B*H, C]``."""
+    t = t.unsqueeze(0).expand(batch, *t.shape) if bdim is None else t.movedim(bdim, 0)
+    return t.reshape(batch * t.size(1), *t.shape[2:])
+
+
+@torch.library.register_vmap("torch_gradops::gatv2_forward")
+def _gatv2_forward_vmap(info, in_dims, x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
+                        dropout_mask, negative_slope, dropout_scale, return_alpha):
+    """Heads are independent: a vmapped dimension folds into them (``[B, N, H, C] -> [N, B*H, C]``,
+    inputs shared by the batch expanded). Raw edge features ``[E, K]`` have no heads and are
+    shared by every head: folded only when not vmapped; a vmapped graph or ``[E, K]`` runs the
+    op once per batch item."""
+    args = (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, negative_slope,
+            dropout_scale, return_alpha)
+    batch = info.batch_size
+    raw_edges = edge_weight is not None
+    if in_dims[5] is not None or in_dims[6] is not None or (raw_edges and in_dims[3] is not None):
+        return _vmap_per_item(ops.gatv2_forward.default, batch, in_dims, args)
+    fold = lambda t, d: None if t is None else _fold_heads(t, d, batch)  # noqa: E731
+    out, lse, alpha = ops.gatv2_forward(
+        fold(x_src, in_dims[0]), fold(x_dst, in_dims[1]), _fold_heads_first(att, in_dims[2], batch),
+        edge_attr if raw_edges else fold(edge_attr, in_dims[3]), fold(edge_weight, in_dims[4]), indptr, indices,
+        fold(dropout_mask, in_dims[7]), negative_slope, dropout_scale, return_alpha)
+    return (_unfold_heads(out, batch), _unfold_heads(lse, batch), _unfold_heads(alpha, batch)), (1, 1, 1)
+
+
+def _is_transformed(t) -> bool:
+    """A torch.func wrapper (batched, gradient-tracking or dual) outside torch.compile."""
+    return t is not None and not torch.compiler.is_compiling() and \
+        torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
 # ---------------------------------------------------------------------------- composite path
 def _edge_term(edge_attr, edge_weight):
     """``[E, H, C]`` edge term of the pre-activation (materialised: composite paths only)."""
@@ -59,38 +99,69 @@ def _edge_term(edge_attr, edge_weight):
         return None
     if edge_weight is None:
         return edge_attr
-    return torch.einsum("ek,khc->ehc", edge_attr, edge_weight)
+    # matmul and reshape: einsum and unflatten have no batching rule under forward AD's
+    # batched checks (gradcheck's check_batched_forward_grad)
+    k, heads, channels = edge_weight.shape
+    return (edge_attr @ edge_weight.reshape(k, heads * channels)).reshape(edge_attr.shape[0], heads, channels)
 
 
-def _gatv2_composite(x_src, x_dst, att, edge_attr, edge_weight, src, dst, num_dst, mask,
-                     negative_slope, scale):
-    """Differentiable plain-PyTorch GATv2 in CSC edge order; returns ``(out, alpha_after_dropout)``.
+def _leaky_slope(z: torch.Tensor, negative_slope: float) -> torch.Tensor:
+    """d leaky_relu(z) / dz in z's dtype (a Python-scalar torch.where would round the slope to
+    float32)."""
+    return (z > 0).to(z.dtype) * (1.0 - negative_slope) + negative_slope
 
-    Used only where a first-order kernel cannot serve: double backward (``create_graph=True``).
-    It materialises ``E x H x C`` and computes in float32 for half types.
+
+def _gatv2_backward_differentiable(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight, src, dst,
+                                   num_dst, mask, negative_slope, scale, needs):
+    """The first-order gradients written in differentiable PyTorch ops (CSC edge order), for
+    double backward and batched output gradients: every transform composes with it.
+
+    Exact, including the softmax's dependence on the inputs (recomputed, not taken from the
+    saved log-sum-exp). It materialises ``E x H x C`` tensors and computes in float32 for half
+    types. Returns ``[g_x_src, g_x_dst, g_att, g_edge_attr, g_edge_weight]`` (None where not
+    ``needs``).
     """
     dtype = x_src.dtype
     acc = _acc_dtype(dtype)
-    cast = lambda t: None if t is None else t.to(acc)
-    x_src, x_dst, att, edge_attr, edge_weight = map(cast, (x_src, x_dst, att, edge_attr, edge_weight))
-    src, dst = src.long(), dst.long()
+    cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
+    x_src, x_dst, att, edge_attr, edge_weight, grad_out, grad_alpha = map(
+        cast, (x_src, x_dst, att, edge_attr, edge_weight, grad_out, grad_alpha))
     heads = att.size(0)
-    z = x_src.index_select(0, src) + x_dst.index_select(0, dst)
-    ep = _edge_term(edge_attr, edge_weight)
-    if ep is not None:
-        z = z + ep
-    s = (F.leaky_relu(z, negative_slope) * att).sum(-1)
-    dst_h = dst.view(-1, 1).expand(-1, heads)
+    xs_e = x_src.index_select(0, src)
+    z = xs_e + x_dst.index_select(0, dst)
+    if edge_attr is not None:
+        z = z + _edge_term(edge_attr, edge_weight)
+    lr = F.leaky_relu(z, negative_slope)
+    s = (lr * att).sum(-1)
     smax = torch.full((num_dst, heads), float("-inf"), dtype=acc, device=s.device)
-    smax = smax.scatter_reduce(0, dst_h, s.detach(), "amax", include_self=True)
+    smax = smax.scatter_reduce(0, dst.view(-1, 1).expand(-1, heads), s.detach(), "amax", include_self=True)
     p = torch.exp(s - smax.index_select(0, dst))
-    denom = torch.zeros((num_dst, heads), dtype=acc, device=s.device).index_add(0, dst, p)
-    alpha = p / denom.index_select(0, dst)
-    if mask is not None:
-        alpha = alpha * mask.to(acc) * scale
-    msg = alpha.unsqueeze(-1) * x_src.index_select(0, src)
-    out = torch.zeros((num_dst,) + tuple(x_src.shape[1:]), dtype=acc, device=s.device).index_add(0, dst, msg)
-    return out.to(dtype), alpha.to(dtype)
+    alpha = p / torch.zeros((num_dst, heads), dtype=acc, device=s.device).index_add(0, dst, p).index_select(0, dst)
+    keep = None if mask is None else mask.to(acc) * scale
+    alpha_d = alpha if keep is None else alpha * keep
+    g_out_e = grad_out.index_select(0, dst)
+    g_alpha_d = (g_out_e * xs_e).sum(-1)  # [E, H]
+    if grad_alpha is not None:
+        g_alpha_d = g_alpha_d + grad_alpha
+    g_alpha = g_alpha_d if keep is None else g_alpha_d * keep
+    ds = alpha * (g_alpha - torch.zeros_like(smax).index_add(0, dst, alpha * g_alpha).index_select(0, dst))
+    # d leaky_relu(z)/dz: a constant almost everywhere, so its own derivative is zero
+    dz = ds.unsqueeze(-1) * att * _leaky_slope(z, negative_slope)
+    g = [None] * 5
+    if needs[0]:
+        g[0] = torch.zeros_like(x_src).index_add(0, src, dz + alpha_d.unsqueeze(-1) * g_out_e)
+    if needs[1]:
+        g[1] = torch.zeros_like(x_dst).index_add(0, dst, dz)
+    if needs[2]:
+        g[2] = (ds.unsqueeze(-1) * lr).sum(0)
+    if needs[3] or needs[4]:
+        width = heads * dz.size(-1)
+        flat = dz.reshape(dz.size(0), width)  # explicit sizes: E may be 0
+        if needs[3]:
+            g[3] = dz if edge_weight is None else flat @ edge_weight.reshape(edge_weight.size(0), width).t()
+        if needs[4]:
+            g[4] = (edge_attr.t() @ flat).reshape(edge_weight.shape)
+    return [None if t is None else t.to(dtype) for t in g]
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -101,6 +172,9 @@ _N_REST = 9  # indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, slo
 class _GATv2AttentionFirstOrder(torch.autograd.Function):
     """Forward and backward of :class:`GATv2AttentionFunction`, without ``jvp``: the class that
     ``torch.compile`` traces (Dynamo cannot trace a Function that defines ``jvp``)."""
+
+    # vmap runs forward/backward/jvp on batched tensors: the op's rule folds the batch into heads
+    generate_vmap_rule = True
 
     @staticmethod
     def forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge,
@@ -113,9 +187,9 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
         (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
          dropout_mask, negative_slope, dropout_scale, return_alpha) = inputs
         out, lse, _ = output
-        ctx.mark_non_differentiable(lse)
-        if not return_alpha:
-            ctx.mark_non_differentiable(output[2])
+        # One call: each call replaces the previous set (lse left differentiable gets a None
+        # tangent, which trips an internal assert in forward AD).
+        ctx.mark_non_differentiable(*((lse,) if return_alpha else (lse, output[2])))
         ctx.negative_slope = negative_slope
         ctx.dropout_scale = dropout_scale
         ctx.has = (True, True, True, edge_attr is not None, edge_weight is not None)
@@ -130,7 +204,10 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_alpha):
         (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
          dropout_mask, out, lse) = ctx.saved_tensors
-        needs = [n and h for n, h in zip(ctx.needs_input_grad[:_N_DIFF], ctx.has)]
+        # Dynamo, tracing inside a torch.func transform, reports inputs wrapped by the transform
+        # as not needing a gradient (their gradients then came out zero): compute them all.
+        wanted = [True] * _N_DIFF if torch.compiler.is_compiling() else ctx.needs_input_grad[:_N_DIFF]
+        needs = [n and h for n, h in zip(wanted, ctx.has)]
         none_rest = (None,) * _N_REST
         if not any(needs):
             return (None,) * _N_DIFF + none_rest
@@ -138,29 +215,14 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
             grad_alpha = None
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        diff_inputs = (x_src, x_dst, att, edge_attr, edge_weight)
-
-        if torch.is_grad_enabled():
-            # create_graph=True: differentiable composite recomputation (exact, not fused).
+        if torch.is_grad_enabled() or any(_is_transformed(t) for t in (grad_out, grad_alpha, x_src)):
+            # create_graph=True (every torch.func.grad/vjp records for higher orders), or batched
+            # tensors from vmap: the same gradients in differentiable ops (exact, not fused).
             dst = csc_destinations(indptr, indices.numel()).long()
-            with torch.enable_grad():
-                inputs = [t for t, n in zip(diff_inputs, needs) if n]
-                detached = [t.detach().requires_grad_() if not t.requires_grad else t for t in inputs]
-                mapping = dict(zip(map(id, inputs), detached))
-                args = [mapping.get(id(t), t) if n else (t.detach() if t is not None else None)
-                        for t, n in zip(diff_inputs, needs)]
-                o, a = _gatv2_composite(*args, indices, dst, x_dst.size(0), dropout_mask,
-                                        ctx.negative_slope, ctx.dropout_scale)
-                outs, grads = [o], [grad_out]
-                if grad_alpha is not None:
-                    outs.append(a)
-                    grads.append(grad_alpha)
-                res = torch.autograd.grad(outs, detached, grads, create_graph=True, allow_unused=True)
-            it = iter(res)
-            result = [next(it) if n else None for n in needs]
-            result = [torch.zeros_like(t) if r is None and n else r
-                      for r, t, n in zip(result, diff_inputs, needs)]
-            return tuple(result) + none_rest
+            grads = _gatv2_backward_differentiable(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
+                                                   indices.long(), dst, x_dst.size(0), dropout_mask,
+                                                   ctx.negative_slope, ctx.dropout_scale, needs)
+            return tuple(grads) + none_rest
 
         if not ctx.has_rev:
             raise RuntimeError("GATv2AttentionFunction: the reverse index was not passed to forward, "
@@ -185,45 +247,76 @@ class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
       scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
     * The reverse (source-grouped) index ``rev_*`` is only needed when a gradient is wanted.
 
-    Backward: the deterministic kernel. Under ``create_graph=True`` it switches to a composite
-    differentiable recomputation, so gradients of gradients are exact. Forward-mode AD (``jvp``)
-    is composite as well. Both materialise ``E x H x C`` tensors.
+    Backward: the deterministic kernel. Under ``create_graph=True`` (and for batched output
+    gradients from vmap) it switches to a composite differentiable recomputation, so gradients
+    of gradients are exact; it materialises ``E x H x C`` tensors. Forward-mode AD (``jvp``) is
+    composite, in edge chunks whose temporaries hold about ``E x H`` elements.
     """
 
     @staticmethod
     def jvp(ctx, t_xs, t_xd, t_att, t_ea, t_w, *_):
         x_src, x_dst, att, ea, w, indptr, indices, mask, out, lse = ctx.saved_tensors
         acc = _acc_dtype(x_src.dtype)
-        cast = lambda t: None if t is None else t.to(acc)
+        cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
         xs, xd, att_a, ea_a, w_a = map(cast, (x_src, x_dst, att, ea, w))
+        t_xs, t_xd, t_att = map(cast, (t_xs, t_xd, t_att))
+        t_ea = cast(t_ea) if ea is not None else None
+        t_w = cast(t_w) if w is not None else None
         src = indices.long()
         dst = csc_destinations(indptr, indices.numel()).long()
-        z = xs.index_select(0, src) + xd.index_select(0, dst)
-        ep = _edge_term(ea_a, w_a)
-        if ep is not None:
-            z = z + ep
-        lr = F.leaky_relu(z, ctx.negative_slope)
-        slope = torch.where(z > 0, torch.ones_like(z), torch.full_like(z, ctx.negative_slope))
-        alpha = torch.exp((lr * att_a).sum(-1) - lse.index_select(0, dst))
-        tz = torch.zeros_like(z)
-        if t_xs is not None:
-            tz = tz + t_xs.to(acc).index_select(0, src)
-        if t_xd is not None:
-            tz = tz + t_xd.to(acc).index_select(0, dst)
-        if t_ea is not None and ea is not None:
-            tz = tz + _edge_term(t_ea.to(acc), w_a)
-        if t_w is not None and w is not None:
-            tz = tz + _edge_term(ea_a, t_w.to(acc))
-        ts = (att_a * slope * tz).sum(-1)
-        if t_att is not None:
-            ts = ts + (t_att.to(acc) * lr).sum(-1)
+        num_edges, heads, channels = src.numel(), x_src.size(-2), x_src.size(-1)
+        # Edges in chunks whose [chunk, H, C] temporaries hold about E x H elements (at least 4096
+        # edges): memory O(E x H), the same arithmetic as one pass.
+        step = max(1, min(num_edges, max(num_edges // max(channels, 1), 4096)))
+        keep = mask.to(acc) * ctx.dropout_scale if mask is not None else None
+
+        def z_of(lo, hi):
+            s, d = src[lo:hi], dst[lo:hi]
+            z = xs.index_select(0, s) + xd.index_select(0, d)
+            if ea_a is not None:
+                z = z + _edge_term(ea_a[lo:hi], w_a)
+            tz = None
+            for t, idx in ((t_xs, s), (t_xd, d)):
+                if t is not None:
+                    g = t.index_select(0, idx)
+                    tz = g if tz is None else tz + g
+            if t_ea is not None:
+                g = _edge_term(t_ea[lo:hi], w_a)
+                tz = g if tz is None else tz + g
+            if t_w is not None:
+                g = _edge_term(ea_a[lo:hi], t_w)
+                tz = g if tz is None else tz + g
+            return z, tz
+
+        # pass 1: alpha and the score tangents ts[e,h] = d s[e,h]
+        alpha_parts, ts_parts = [], []
+        for lo in range(0, num_edges, step):
+            hi = min(lo + step, num_edges)
+            z, tz = z_of(lo, hi)
+            lr = F.leaky_relu(z, ctx.negative_slope)
+            alpha_parts.append(torch.exp((lr * att_a).sum(-1) - lse.index_select(0, dst[lo:hi])))
+            ts = torch.zeros_like(alpha_parts[-1])
+            if tz is not None:
+                slope = _leaky_slope(z, ctx.negative_slope)
+                ts = ts + (att_a * slope * tz).sum(-1)
+            if t_att is not None:
+                ts = ts + (t_att * lr).sum(-1)
+            ts_parts.append(ts)
+        alpha = torch.cat(alpha_parts) if alpha_parts else lse.new_zeros((0, heads))
+        ts = torch.cat(ts_parts) if ts_parts else alpha
         dbar = torch.zeros_like(lse).index_add(0, dst, alpha * ts)
-        keep = mask.to(acc) * ctx.dropout_scale if mask is not None else 1.0
-        t_alpha = alpha * (ts - dbar.index_select(0, dst)) * keep
-        t_out = torch.zeros(out.shape, dtype=acc, device=out.device).index_add(
-            0, dst, t_alpha.unsqueeze(-1) * xs.index_select(0, src))
-        if t_xs is not None:
-            t_out = t_out.index_add(0, dst, (alpha * keep).unsqueeze(-1) * t_xs.to(acc).index_select(0, src))
+        t_alpha = alpha * (ts - dbar.index_select(0, dst))
+        if keep is not None:
+            t_alpha, alpha = t_alpha * keep, alpha * keep
+        # pass 2: t_out = sum_e t_alpha x_src[j] + alpha t_x_src[j]
+        t_out = torch.zeros(out.shape, dtype=acc, device=out.device)
+        for lo in range(0, num_edges, step):
+            hi = min(lo + step, num_edges)
+            s, d = src[lo:hi], dst[lo:hi]
+            msg = t_alpha[lo:hi].unsqueeze(-1) * xs.index_select(0, s)
+            if t_xs is not None:
+                msg = msg + alpha[lo:hi].unsqueeze(-1) * t_xs.index_select(0, s)
+            t_out = t_out.index_add(0, d, msg)
         t_alpha_out = t_alpha.to(x_src.dtype) if ctx.return_alpha else None
         return t_out.to(out.dtype), None, t_alpha_out
 
@@ -290,6 +383,11 @@ def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout):
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
+@torch.compiler.disable(reason="forward-mode AD through gatv2_attention runs eagerly")
+def _eager_function():
+    return GATv2AttentionFunction
+
+
 def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor, graph: BipartiteCSC,
                     negative_slope: float = 0.2, edge_attr: Optional[torch.Tensor] = None,
                     edge_weight: Optional[torch.Tensor] = None, dropout: float = 0.0,
@@ -334,16 +432,21 @@ def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor,
         mask = torch.rand((graph.num_edges, heads), device=x_src.device) >= dropout
         scale = 1.0 / (1.0 - dropout)
     grad_inputs = (x_src, x_dst, att, edge_attr, edge_weight)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_inputs):
-        rev = graph.reverse_index()
-        rev_tensors = (rev.indptr, rev.edge, rev.dst)
+    want_reverse = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_inputs)
+    rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
+    rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)
+    args = (x_src, x_dst, att, ea, edge_weight, graph.indptr, graph.indices, *rev_tensors, mask,
+            float(negative_slope), float(scale), bool(return_attention))
+    if not torch.compiler.is_compiling():
+        out, _, alpha = GATv2AttentionFunction.apply(*args)
+    elif any(forward_ad.unpack_dual(t).tangent is not None for t in grad_inputs if t is not None):
+        # Dynamo ignores a Function's jvp and differentiates its forward, whose op has no
+        # forward-mode formula: the tangent would come out zero. Run this call eagerly instead
+        # (a graph break; torch.compile(fullgraph=True) raises here).
+        out, _, alpha = _apply_eagerly(*args)
     else:
-        rev_tensors = (None, None, None)
-    # Dynamo cannot trace a Function with a custom jvp; compiled code gets the first-order one.
-    function = _GATv2AttentionFirstOrder if torch.compiler.is_compiling() else GATv2AttentionFunction
-    out, _, alpha = function.apply(
-        x_src, x_dst, att, ea, edge_weight, graph.indptr, graph.indices, *rev_tensors, mask,
-        float(negative_slope), float(scale), bool(return_attention))
+        # Dynamo cannot trace a Function that defines jvp: compiled code gets the first-order one.
+        out, _, alpha = _GATv2AttentionFirstOrder.apply(*args)
     if return_attention:
         return out, graph.original_order(alpha)
     return out
