@@ -15,7 +15,6 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import PeakMemory, format_bytes, machine_info, median_time, run_worker, write_json  # noqa: E402

@@ -18,7 +18,7 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
-from pyg_helpers import ATOL, close, make_pair, random_graph, run_both  # noqa: E402,F401
+from pyg_helpers import close, make_pair, random_graph, run_both  # noqa: E402,F401
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -298,3 +298,6 @@ def test_torch_compile_over_grad_vmap_and_forward_mode():
         return lambda *p: jvp(fn, p, tangents)[1]
     torch._dynamo.reset()
     torch.testing.assert_close(torch.compile(tangent(ours))(*inputs), tangent(ref)(*inputs), atol=1e-5, rtol=1e-4)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="disable"):  # Dynamo refuses the eager fallback's graph break
+        torch.compile(tangent(ours), fullgraph=True)(*inputs)

@@ -383,9 +383,9 @@ def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout):
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
-@torch.compiler.disable(reason="forward-mode AD through gatv2_attention runs eagerly")
-def _eager_function():
-    return GATv2AttentionFunction
+@torch.compiler.disable
+def _apply_eagerly(*args):
+    return GATv2AttentionFunction.apply(*args)
 
 
 def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor, graph: BipartiteCSC,
