@@ -25,8 +25,8 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakMemory, fmt_bytes, machine_info, median_time, run_worker, write_json  # noqa: E402
-from gat_attention import composite_gat  # noqa: E402
+from _common import PeakMemory, format_bytes, machine_info, median_time, run_worker, write_json  # noqa: E402
+from torch_gradops.testing import gat_composite  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 
@@ -50,7 +50,7 @@ def worker(args) -> dict:
         fn = lambda x, a_s, a_d: tg.gat_attention(x, a_s, a_d, graph)  # noqa: E731
     else:
         src, dst = edge_index[0], edge_index[1]
-        fn = lambda x, a_s, a_d: composite_gat(x, a_s, a_d, src, dst, n)  # noqa: E731
+        fn = lambda x, a_s, a_d: gat_composite(x, a_s, a_d, src, dst, n)[0]  # noqa: E731
 
     def step():
         if args.mode == "jvp":
@@ -118,7 +118,7 @@ def _row_text(row):
     def cell(r):
         if "error" in r:
             return f"{'error: ' + str(r['error'])[-40:]:>34}"
-        return f"{r['seconds'] * 1e3:10.1f} ms {fmt_bytes(r['peak_extra_bytes']):>12}"
+        return f"{r['seconds'] * 1e3:10.1f} ms {format_bytes(r['peak_extra_bytes']):>12}"
     extra = ""
     if "speedup" in row:
         extra = f" | speed-up {row['speedup']:5.1f}x | peak ours/composite {row['peak_ratio_op_to_composite']:.3f}"

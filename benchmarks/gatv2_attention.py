@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import PeakMemory, fmt_bytes, machine_info, median_time, run_worker, write_json  # noqa: E402
+from _common import PeakMemory, format_bytes, machine_info, median_time, run_worker, write_json  # noqa: E402
 
 HERE = os.path.abspath(__file__)
 IMPLS_FWD = ("op", "composite", "gather", "index_select")
@@ -178,7 +178,7 @@ def _row_text(row):
             return ""
         if "error" in r:
             return f" | {name} error: {str(r['error'])[-60:]!r}"
-        return f" | {name} {r['seconds'] * 1e3:9.1f} ms {fmt_bytes(r['peak_extra_bytes']):>10}"
+        return f" | {name} {r['seconds'] * 1e3:9.1f} ms {format_bytes(r['peak_extra_bytes']):>10}"
     extra = ""
     if "speedup" in row:
         extra += f" | speed-up {row['speedup']:5.1f}x, memory {row['memory_ratio']:6.1f}x less"

@@ -102,3 +102,19 @@ def test_demo_is_imported_by_nothing_outside_it():
     for m, p in modules.items():
         if not m.startswith("torch_gradops.demo"):
             assert not any(t.startswith("torch_gradops.demo") for t in _imports(m, p, modules)), m
+
+
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(os.path.join(ROOT, "benchmarks"))
+                                          if f.endswith(".py") and not f.startswith("_")))
+def test_benchmark_scripts_import(script):
+    """Each benchmark's module level (its imports from the package and benchmarks/_common) loads:
+    a renamed helper must not break a script nobody runs in CI."""
+    import importlib.util
+    import sys
+    path = os.path.join(ROOT, "benchmarks", script)
+    sys.path.insert(0, os.path.dirname(path))
+    try:
+        spec = importlib.util.spec_from_file_location(f"_bench_{script[:-3]}", path)
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    finally:
+        sys.path.remove(os.path.dirname(path))
