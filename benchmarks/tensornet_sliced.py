@@ -19,8 +19,9 @@ The targets of issue 12, each configuration in a fresh process (2 threads):
 Times: ``plan_s`` (path search and slicing; for ours everything ``tn.plan`` does), ``run_s``
 (median of the steady-state forward + backward, or forward) and ``total_s = plan_s + run_s``
 (what a single call costs, planning included: the targets compare this). Peak memory: the
-torch profiler's peak of live tensor bytes during one forward + backward beyond what existed
-before (``torch_gradops.testing.peak_allocated_bytes``). FLOPs: real floating-point operations
+growth of the process's resident-set high-water mark over one forward + backward
+(``torch_gradops.testing.PeakMemory``: every page touched, so an upper bound on tensor memory,
+measured the same way for every implementation). FLOPs: real floating-point operations
 of the forward over all slices (a complex multiply-add counts 8).
 
     python benchmarks/tensornet_sliced.py                  # everything (about 20-40 minutes)
@@ -129,7 +130,7 @@ def worker(spec, impl):
     import cotengra as ctg
     import opt_einsum as oe
     from torch_gradops import tensornet as tnet
-    from torch_gradops.testing import einsum_pairwise, interleave, peak_allocated_bytes
+    from torch_gradops.testing import PeakMemory, einsum_pairwise, interleave
 
     inputs, output, arrays, scale, amp = network(spec)
     limit = spec.get("limit")
@@ -195,7 +196,11 @@ def worker(spec, impl):
     reps = 3 if res["first_run_s"] < 5 else 1
     res["run_s"] = _median(run, reps)
     res["total_s"] = res["plan_s"] + res["run_s"]
-    res["peak_bytes"] = peak_allocated_bytes(run)
+    # The process's resident-set high-water mark over one more run (the torch profiler's memory
+    # events, exact for tensors, grew to gigabytes and minutes over thousands of sliced steps).
+    with PeakMemory("cpu") as mem:
+        run()
+    res["peak_bytes"] = mem.peak_bytes
     value = complex(out.detach()) * scale
     res["value"] = [value.real, value.imag]
     if amp is not None:

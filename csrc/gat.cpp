@@ -149,6 +149,8 @@ GatSpmmArgs prepare_gat_spmm(const at::Tensor& weight, const at::Tensor& values,
   check_index(indptr, "indptr");
   check_index(neighbors, "neighbors");
   TORCH_CHECK(indptr.numel() >= 1, "indptr must have num_rows + 1 >= 1 entries");
+  TORCH_CHECK(indptr.numel() > 1 || neighbors.numel() == 0, "neighbors has ", neighbors.numel(),
+              " edges but indptr has no rows to hold them");
   TORCH_CHECK(neighbors.scalar_type() == indptr.scalar_type(), "neighbors and indptr must share one dtype");
   TORCH_CHECK(neighbors.numel() == weight.size(0), "neighbors must have one entry per edge (weight.size(0) = ",
               weight.size(0), "), got ", neighbors.numel());

@@ -36,6 +36,8 @@ void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, 
   check_same_device(x_src, "x_src", indptr, "indptr");
   check_same_device(x_src, "x_src", indices, "indices");
   const int64_t E = indices.numel();
+  // Checked here for every backend: the CUDA kernels have no destination to report it from.
+  TORCH_CHECK(x_dst.size(0) > 0 || E == 0, "indices has ", E, " edges but x_dst has no destinations to hold them");
   TORCH_CHECK(!edge_weight.has_value() || edge_attr.has_value(), "edge_weight was given without edge_attr");
   if (edge_attr.has_value()) {
     const at::Tensor& ea = *edge_attr;

@@ -174,6 +174,7 @@ def test_primitive_errors_name_the_argument():
         (lambda: ops.gat_spmm(w, v, ptr, idx, bad_edge), "edge_ids: id .* out of range"),
         (lambda: ops.gat_spmm(w, v, short, idx, None), "indptr must start at 0 and end at E"),
         (lambda: ops.gat_spmm(w, v.long(), ptr, idx, None), "values must be a floating-point tensor"),
+        (lambda: ops.gat_spmm(w, v, torch.full((1,), E, dtype=ptr.dtype), idx, None), "indptr has no rows"),
         (lambda: ops.gat_sddmm(torch.randn(nd, 2, 3), torch.randn(ns, 2, 4), ptr, idx), "b must have a's heads"),
         (lambda: ops.gat_sddmm(torch.randn(nd + 1, 2, 3), v, ptr, idx), r"indptr must have a.size\(0\) \+ 1"),
         (lambda: ops.gat_sddmm(torch.randn(nd, 2, 3), v, ptr, bad), "indices: id .* out of range"),

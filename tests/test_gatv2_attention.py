@@ -498,6 +498,9 @@ def test_bad_op_inputs_raise_clear_errors():
     short[-1] -= 1
     with pytest.raises(RuntimeError, match="indptr must start at 0 and end at E"):
         ops.gatv2_forward(*args, short, graph.indices, None, 0.2, 1.0, False)
+    with pytest.raises(RuntimeError, match="x_dst has no destinations"):  # edges but no destination
+        ops.gatv2_forward(x, xd[:0], att, ea, w, torch.full((1,), E, dtype=graph.indptr.dtype), graph.indices,
+                          None, 0.2, 1.0, True)
     rev = graph.reverse_index()
     out, lse, _ = ops.gatv2_forward(*args, graph.indptr, graph.indices, None, 0.2, 1.0, False)
     bwd = (torch.ones_like(out), None, out, lse, *args, graph.indptr, graph.indices)
@@ -511,6 +514,24 @@ def test_bad_op_inputs_raise_clear_errors():
                            everything)
     with pytest.raises(RuntimeError, match="grad_out must have shape"):
         ops.gatv2_backward(out[:-1], *bwd[1:], rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0, everything)
+
+
+def test_zero_edge_features():
+    """edge_attr [E, 0] with edge_weight [0, H, C]: no edge term, every gradient still written
+    (the CUDA params kernel once skipped grad att for K = 0)."""
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, xd, att, _, _ = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, "cpu", edge_mode="none")
+    ea = torch.zeros(ei.size(1), 0, dtype=torch.float64, requires_grad=True)
+    w = torch.zeros(0, 2, 3, dtype=torch.float64, requires_grad=True)
+    out = tg.gatv2_attention(x, xd, att, graph, edge_attr=ea, edge_weight=w)
+    ref = tg.gatv2_attention(x, xd, att, graph)
+    torch.testing.assert_close(out, ref)
+    go = torch.randn_like(out)
+    g1 = torch.autograd.grad(out, (x, xd, att), go)
+    g2 = torch.autograd.grad(ref, (x, xd, att), go)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
 
 
 def test_opcheck():

@@ -482,7 +482,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
   int64_t n_chunks = std::min<int64_t>(kMaxChunks, std::max<int64_t>(1, E / 256));
   n_chunks = std::min<int64_t>(n_chunks, std::max<int64_t>(1, kPartialBudget / std::max<int64_t>(partial_size, 1)));
   const int64_t n_fb = (HC + kWarp - 1) / kWarp;
-  const int64_t n_kb = b.want_edge_weight ? (K + kEdgeDimBlock - 1) / kEdgeDimBlock : 1;
+  // At least one k block, also for K = 0: the params kernel also writes grad att's partials.
+  const int64_t n_kb = b.want_edge_weight ? std::max<int64_t>(1, (K + kEdgeDimBlock - 1) / kEdgeDimBlock) : 1;
   const auto acc_opts = a.x_src.options().dtype(gat_acc_type(a.x_src.scalar_type()));
   const bool need_ds = b.want_x_src || want_params || (b.want_edge_attr && project);
   at::Tensor ds_ws = need_ds ? at::empty({E, H}, acc_opts) : at::Tensor();
