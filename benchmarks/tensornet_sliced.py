@@ -258,6 +258,7 @@ def main():
     ap.add_argument("--worker", nargs=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["lattice", "circuit", "unsliced"])
+    ap.add_argument("--match", default=None, help="run only configurations whose name contains this")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tensornet_sliced_cpu.json"))
     args = ap.parse_args()
     if args.worker:
@@ -269,12 +270,15 @@ def main():
     info = machine_info("cpu")
     results = []
     for spec, impl in configs(args.quick, args.only):
+        if args.match and args.match not in _name(spec):
+            continue
         # idle OpenMP threads must not spin on shared cores
         r = run_worker(__file__, [json.dumps(spec), impl], timeout=1800,
                        env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
         r.setdefault("spec", spec)
         r.setdefault("impl", impl)
         results.append(r)
+        write_json(args.out, dict(machine=info, threads=THREADS, results=results, partial=True))  # so far
         if "error" in r:
             print(f"{_name(spec):55s} {impl:13s} ERROR {r['error'][-300:]}", flush=True)
             continue
@@ -322,8 +326,8 @@ def main():
               f"{ratio:.2f}x | {ours.get('slices', '-')} / {peer.get('slices', '-')} | "
               f"{format_bytes(ours['peak_bytes'])} / {format_bytes(peer['peak_bytes'])} | {contract} |")
     write_json(args.out, dict(machine=info, threads=THREADS, results=results, summary=summary,
-                              note="total_s = plan_s + run_s (median steady-state run); peaks from the torch "
-                                   "profiler's live tensor bytes"))
+                              note="total_s = plan_s + run_s (median steady-state run); peaks: growth of the process's "
+                                   "resident-set high-water mark over one run (PeakMemory)"))
 
 
 if __name__ == "__main__":
