@@ -215,7 +215,8 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
             grad_alpha = None
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if torch.is_grad_enabled() or any(_is_transformed(t) for t in (grad_out, grad_alpha, x_src)):
+        if torch.is_grad_enabled() or any(_is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att,
+                                                                       edge_attr, edge_weight)):
             # create_graph=True (every torch.func.grad/vjp records for higher orders), or batched
             # tensors from vmap: the same gradients in differentiable ops (exact, not fused).
             dst = csc_destinations(indptr, indices.numel()).long()
