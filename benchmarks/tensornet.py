@@ -86,10 +86,11 @@ def build_specs(quick: bool):
         c["path"] = [list(x) for x in base.path]
         c["sliced"] = []
         if c.get("slices"):
-            # memory_limit bounds one slice's forward + backward working set: take the budget that
-            # the requested number of slices needs, and plan with it
+            # memory_limit bounds the largest intermediate of one slice: take the budget that the
+            # requested number of slices needs, and plan with it
             sl = {"min_slices": c["slices"]}
-            limit = tn.plan(*_interleaved(inputs, output, arrays), optimize=base.path, slicing=sl).slice_working_set
+            forced = tn.plan(*_interleaved(inputs, output, arrays), optimize=base.path, slicing=sl)
+            limit = forced.largest_intermediate[1]
             p = tn.plan(*_interleaved(inputs, output, arrays), optimize=base.path, memory_limit=limit, slicing=sl)
             c["sliced"] = list(p.sliced_modes)
             c["memory_limit"] = limit

@@ -19,14 +19,14 @@ def run(device: str, progress: bool = True) -> bool:
     arrays = [a.to(dev) for a in arrays]
     args = interleave(inputs, arrays, output)
     base = tensornet.plan(*args)
-    # the budget that 16 slices need: memory_limit bounds one slice's forward + backward working set
-    limit = tensornet.plan(*args, slicing={"min_slices": 16}).slice_working_set
+    # the budget that 16 slices need: memory_limit bounds the largest intermediate of one slice
+    limit = tensornet.plan(*args, slicing={"min_slices": 16}).largest_intermediate[1]
     p = tensornet.plan(*args, memory_limit=limit, slicing={"min_slices": 16})
     print(f"== sliced tensor-network contraction with gradients: random circuit amplitude, 3x4 qubits, "
           f"depth 12, {len(arrays)} tensors, complex128, device={dev}")
     print(f"   unsliced: largest intermediate {base.largest_intermediate[0]} elements, {base.flops:.3g} FLOPs")
     print(f"   sliced:   {len(p.sliced_modes)} modes sliced -> {p.num_slices} slices, largest intermediate "
-          f"{p.largest_intermediate[0]} elements, working set {p.slice_working_set} B <= limit {limit} B, "
+          f"{p.largest_intermediate[1]} B <= limit {limit} B, modelled peak {p.modelled_peak} B, "
           f"{p.flops:.3g} FLOPs")
     gates = [a.clone().requires_grad_(a.dim() == 4) for a in arrays]
     t0 = time.perf_counter()
