@@ -112,32 +112,8 @@ Gatv2BackwardArgs prepare_gatv2_backward(
   Gatv2BackwardArgs a;
   a.fwd = prepare_gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
                                 dropout_scale);
-  const int64_t num_dst = x_dst.size(0), heads = x_src.size(1), channels = x_src.size(2);
-  check_shape(grad_out, {num_dst, heads, channels}, "grad_out");
-  check_shape(out, {num_dst, heads, channels}, "out");
-  check_shape(lse, {num_dst, heads}, "lse");
-  TORCH_CHECK(grad_out.scalar_type() == x_src.scalar_type(), "grad_out must have the dtype of x_src");
-  TORCH_CHECK(out.scalar_type() == x_src.scalar_type(), "out must have the dtype of x_src");
-  TORCH_CHECK(lse.scalar_type() == gat_acc_type(x_src.scalar_type()), "lse must be ",
-              gat_acc_type(x_src.scalar_type()), ", got ", lse.scalar_type());
-  if (grad_alpha.has_value()) {
-    check_shape(*grad_alpha, {indices.numel(), heads}, "grad_alpha");
-    TORCH_CHECK(grad_alpha->scalar_type() == x_src.scalar_type(), "grad_alpha must have the dtype of x_src");
-    check_same_device(x_src, "x_src", *grad_alpha, "grad_alpha");
-  }
-  check_index(rev_indptr, "rev_indptr");
-  check_index(rev_edge, "rev_edge");
-  check_index(rev_dst, "rev_dst");
-  TORCH_CHECK(rev_indptr.numel() == x_src.size(0) + 1, "rev_indptr must have num_src + 1 entries");
-  TORCH_CHECK(rev_edge.numel() == indices.numel() && rev_dst.numel() == indices.numel(),
-              "rev_edge and rev_dst must have one entry per edge");
-  for (auto* p : {&rev_indptr, &rev_edge, &rev_dst}) {
-    TORCH_CHECK(p->scalar_type() == indices.scalar_type(), "the reverse index must have the dtype of indices");
-    check_same_device(x_src, "x_src", *p, "reverse index");
-  }
-  check_same_device(x_src, "x_src", grad_out, "grad_out");
-  check_same_device(x_src, "x_src", out, "out");
-  check_same_device(x_src, "x_src", lse, "lse");
+  // The same checks as GAT's backward (x_dst gives the destination count GAT takes from a_dst).
+  check_gat_backward_args(grad_out, grad_alpha, out, lse, x_src, x_dst, indices, rev_indptr, rev_edge, rev_dst);
   a.grad_out = grad_out.contiguous();
   a.grad_alpha = contiguous_or_undefined(grad_alpha);
   a.out = out.contiguous();

@@ -25,80 +25,17 @@
 #include <vector>
 
 #include "../gat.h"
+#include "kernel_utils.h"
 
 namespace torch_gradops {
 namespace {
 
-// Gathered rows are random: prefetch the row this many edges ahead so that its cache misses
-// overlap with the current edge's arithmetic (the row gathers dominate at scale).
-constexpr int64_t kPrefetchDistance = 4;
-
-template <typename T>
-inline void prefetch_row(const T* row, int64_t n) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t off = 0; off < n * static_cast<int64_t>(sizeof(T)); off += 64) __builtin_prefetch(p + off);
-}
-
-// <a, b> over n values in 8 interleaved partial sums, combined in a fixed tree: the compiler
-// keeps them in one vector register, where a single running sum (strict FP order) was a chain
-// of dependent scalar adds that took most of the backward's time.
-template <typename acc_t, typename T>
-inline acc_t dot(const T* a, const T* b, int64_t n) {
-  constexpr int64_t kLanes = 8;
-  acc_t part[kLanes] = {};
-  int64_t c = 0;
-  for (; c + kLanes <= n; c += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) part[l] += static_cast<acc_t>(a[c + l]) * static_cast<acc_t>(b[c + l]);
-  }
-  for (; c < n; ++c) part[c % kLanes] += static_cast<acc_t>(a[c]) * static_cast<acc_t>(b[c]);
-  return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
-}
-
-// A CSC pointer array must start at 0 and end at E: per-node checks of non-decreasing ranges
-// inside [0, E] would still let edges past ptr[n] go unvisited by one pass and visited by another.
-template <typename index_t>
-void check_ptr_ends(const index_t* ptr, int64_t n, int64_t E, const char* name) {
-  TORCH_CHECK(static_cast<int64_t>(ptr[0]) == 0 && static_cast<int64_t>(ptr[n]) == E, name,
-              " must start at 0 and end at E = ", E, " (the number of edges), got ", ptr[0], " and ", ptr[n]);
-}
-
-// Nodes per parallel chunk: enough work per task to amortise scheduling.
-int64_t node_grain(int64_t nodes, int64_t edges, int64_t row) {
-  const int64_t work_per_node = std::max<int64_t>(1, (edges / std::max<int64_t>(nodes, 1) + 1) * row);
-  return std::max<int64_t>(1, 32768 / work_per_node);
-}
-
-// exp of n values in place. float: a branch-free Cody-Waite + degree-6 polynomial (about 1 ulp,
-// the same scheme as Cephes' expf) that the compiler vectorises across heads; libm's scalar expf
-// was a quarter of the forward's time. Below -87.3 it gives 0 (no denormals); NaN stays NaN.
-inline void exp_inplace(float* v, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) {
-    const float x = v[k];
-    const float lo = x < -87.3f ? -87.3f : x;  // not fmin/fmax: those are libm calls
-    const float xc = lo > 88.7f ? 88.7f : lo;
-    const float m = std::nearbyint(xc * 1.44269504088896341f);
-    const float r = (xc - m * 0.693359375f) + m * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = (p * r) * r + r + 1.0f;
-    int32_t bits;
-    const int32_t e = (static_cast<int32_t>(m) + 127) << 23;
-    std::memcpy(&bits, &p, sizeof(bits));
-    bits += e - (127 << 23);
-    float y;
-    std::memcpy(&y, &bits, sizeof(y));
-    y = x < -87.3f ? 0.0f : y;
-    y = x > 88.7f ? std::numeric_limits<float>::infinity() : y;
-    v[k] = x != x ? x : y;
-  }
-}
-inline void exp_inplace(double* v, int64_t n) {
-  for (int64_t k = 0; k < n; ++k) v[k] = std::exp(v[k]);
-}
+using cpu::check_ptr_ends;
+using cpu::dot;
+using cpu::exp_inplace;
+using cpu::kPrefetchDistance;
+using cpu::node_grain;
+using cpu::prefetch_row;
 
 template <typename scalar_t, typename index_t>
 void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
