@@ -14,7 +14,10 @@ not by slicing more: the measured peak extra memory of forward + backward is at 
 ``4 x memory_limit`` + the operands + their gradients (+ the output), for any number of
 slices. The planner places the checkpoints with a model of the executor's memory
 (:attr:`ContractionPlan.modelled_peak`, kept within 3.5 x ``memory_limit``); only where no
-placement can keep it there does it slice further. One plan serves forward and backward.
+placement can keep it there does it slice further, and then preferably a mode in ranges
+(:class:`~.parser.ModeChunks`: a mode of extent 16 in 2 chunks of 8 doubles the slices where
+slicing it index by index would multiply them by 16); the slicer takes modes in chunks for the
+limit itself too, wherever fewer slices do. One plan serves forward and backward.
 
 Gradients recompute one slice at a time in C++ (segment by segment between checkpoints), write
 each intermediate's gradient over the intermediate, and accumulate each operand's gradient
@@ -36,8 +39,9 @@ dimension per output mode (a 0-dim tensor for a scalar output).
 """
 from .autograd import ContractFunction
 from .contract import clear_plan_cache, contract, plan, plan_cache_info, resolve
+from .parser import ModeChunks
 from .plan import ContractionPlan
 from .slicer import parse_memory_limit
 
-__all__ = ["contract", "plan", "resolve", "ContractionPlan", "ContractFunction", "parse_memory_limit",
+__all__ = ["contract", "plan", "resolve", "ContractionPlan", "ContractFunction", "ModeChunks", "parse_memory_limit",
            "plan_cache_info", "clear_plan_cache"]

@@ -69,14 +69,15 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
 
     ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory). It bounds the
     largest intermediate of one slice (:attr:`ContractionPlan.largest_intermediate`), as
-    cotengra's ``target_size`` and cuTensorNet's workspace limit do: modes are sliced until
-    every intermediate fits. The backward keeps its extra memory within a small multiple of it
-    by recomputation between checkpoints, so that the measured peak extra memory of forward +
-    backward is at most ``4 x memory_limit`` + the operands + their gradients (+ the output),
-    for any number of slices. (The planner places the checkpoints by a model of the executor's
-    memory, :attr:`ContractionPlan.modelled_peak`, kept within 3.5 x ``memory_limit``; where no
-    placement can, it slices further.) The forward alone holds less. One plan serves forward
-    and backward.
+    cotengra's ``target_size`` and cuTensorNet's workspace limit do: modes are sliced (whole,
+    or in ranges where that takes fewer slices) until every intermediate fits. The backward
+    keeps its extra memory within a small multiple of it by recomputation between checkpoints,
+    so that the measured peak extra memory of forward + backward is at most
+    ``4 x memory_limit`` + the operands + their gradients (+ the output), for any number of
+    slices. (The planner places the checkpoints by a model of the executor's memory,
+    :attr:`ContractionPlan.modelled_peak`, kept within 3.5 x ``memory_limit``; where no
+    placement can, it slices further, preferring modes in ranges.) The forward alone holds
+    less. One plan serves forward and backward.
 
     ``optimize``: "auto" (opt_einsum's exact or branch-and-bound search up to 8 operands, else a
     seeded cotengra hyper-search with cotengra's slicing, scored by the executor's forward +

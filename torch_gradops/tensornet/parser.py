@@ -5,7 +5,8 @@ in the interleaved form). :func:`network_of` turns the labels into small integer
 describes the *effective* network the planner works on: broadcast (``...``) dimensions of extent 1
 squeezed away and repeated modes of one operand taken as diagonals, so that every mode occurs at
 most once per operand. :func:`preprocess` applies those steps to the operand tensors (as
-differentiable views).
+differentiable views). :func:`split_modes` splits modes into chunks (a view too), so that the
+slicer can slice a mode in ranges rather than index by index.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["EllipsisDim", "Network", "parse_string", "split_interleaved", "normalize_labels", "network_of",
+__all__ = ["EllipsisDim", "ModeChunks", "Network", "split_modes", "parse_string", "split_interleaved", "normalize_labels", "network_of",
            "preprocess", "check_operands", "shapes_of", "label_str", "describe"]
 
 
@@ -34,6 +35,25 @@ class EllipsisDim:
 
     def __repr__(self):
         return f"...{self.p}"
+
+
+class ModeChunks:
+    """Label of the chunk index of a split mode: mode ``label`` of extent ``e`` taken as
+    ``chunks`` ranges of ``e // chunks`` indices (:func:`split_modes`); slicing it slices
+    ``label`` in ranges."""
+    __slots__ = ("label", "chunks")
+
+    def __init__(self, label, chunks: int):
+        self.label, self.chunks = label, int(chunks)
+
+    def __eq__(self, other):
+        return isinstance(other, ModeChunks) and (other.label, other.chunks) == (self.label, self.chunks)
+
+    def __hash__(self):
+        return hash(("torch_gradops.chunks", self.label, self.chunks))
+
+    def __repr__(self):
+        return f"{label_str(self.label)}/{self.chunks}"
 
 
 def label_str(label) -> str:
@@ -235,7 +255,8 @@ class Network:
         inputs: per operand its mode ids after preprocessing (all distinct within an operand).
         output: the output's mode ids.
         sizes: mode id -> extent.
-        pre: per operand the preprocessing steps (``("squeeze", d)`` / ``("diag", d1, d2)``), or None.
+        pre: per operand the preprocessing steps (``("squeeze", d)`` / ``("diag", d1, d2)`` /
+            ``("split", d, chunks)``), or None.
     """
     labels: Tuple[Any, ...]
     ids: Dict[Any, int]
@@ -289,10 +310,46 @@ def network_of(terms, output, sizes, broadcast) -> Network:
     return Network(tuple(labels), ids, tuple(inputs), out, id_sizes, tuple(pre))
 
 
+def split_modes(network: Network, splits: Dict[int, int]) -> Tuple[Network, Dict[int, int]]:
+    """The network with each mode ``m`` of ``splits`` (not an output mode) split into a chunk
+    mode of extent ``splits[m]`` (labelled :class:`ModeChunks`, a new id) followed by ``m`` of
+    extent ``sizes[m] // splits[m]``; the operands get the split as a view (``unflatten``).
+    Same operands in the same order, so any path of the network is a path of the result.
+    Returns the network and the new ids (mode -> its chunk mode)."""
+    labels, ids, sizes = list(network.labels), dict(network.ids), dict(network.sizes)
+    chunk_id: Dict[int, int] = {}
+    for m, f in sorted(splits.items()):
+        e = sizes[m]
+        if m in network.output or not 1 < f < e or e % f:
+            raise ValueError(f"cannot split mode {label_str(labels[m])!r} of extent {e} into {f} chunks")
+        lab = ModeChunks(labels[m], f)
+        chunk_id[m] = len(labels)
+        ids[lab] = len(labels)
+        labels.append(lab)
+        sizes[chunk_id[m]] = f
+        sizes[m] = e // f
+    inputs, pre = [], []
+    for modes, steps in zip(network.inputs, network.pre):
+        steps = list(steps or ())
+        modes = list(modes)
+        for d in sorted((d for d, m in enumerate(modes) if m in chunk_id), reverse=True):
+            steps.append(("split", d, splits[modes[d]]))
+            modes.insert(d, chunk_id[modes[d]])
+        inputs.append(tuple(modes))
+        pre.append(tuple(steps) or None)
+    return Network(tuple(labels), ids, tuple(inputs), network.output, sizes, tuple(pre)), chunk_id
+
+
 def apply_steps(t: torch.Tensor, steps: Sequence[tuple]) -> torch.Tensor:
-    """One operand's preprocessing (squeeze broadcast dims, take diagonals), as views."""
+    """One operand's preprocessing (squeeze broadcast dims, take diagonals, split modes into
+    chunks), as views."""
     for kind, *args in steps:
-        t = t.squeeze(args[0]) if kind == "squeeze" else torch.diagonal(t, 0, args[0], args[1])
+        if kind == "squeeze":
+            t = t.squeeze(args[0])
+        elif kind == "diag":
+            t = torch.diagonal(t, 0, args[0], args[1])
+        else:
+            t = t.unflatten(args[0], (args[1], t.shape[args[0]] // args[1]))
     return t
 
 

@@ -39,7 +39,7 @@ __all__ = ["PathResult", "find_path", "check_path", "search_budget", "PlanObject
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 1   # bump when the search or its scoring changes: old cached paths are ignored
+_CACHE_VERSION = 2   # bump when the search or its scoring changes: old cached paths are ignored
 
 
 @dataclass(frozen=True)
@@ -83,17 +83,24 @@ class PlanObjective(FlopsObjective):
     any) that the backward's memory model (:mod:`.slicer`) needs within ``cap`` elements.
     Refinement stages (slicing, reconfiguration) use FLOPs as usual."""
 
-    __slots__ = ("score_tree",)
+    __slots__ = ("score_tree", "top", "seen")
+    TOP = 4  # trees kept for the exact selection (the score is a proxy)
 
     def __init__(self, score_tree: Callable):
         super().__init__()
         self.score_tree = score_tree
+        self.top: List[Tuple[float, int, object]] = []  # (work, trial number, tree), best first
+        self.seen = 0
 
     def __call__(self, trial):
         try:
             work = self.score_tree(trial["tree"])
         except (ValueError, KeyError):
             return math.inf
+        self.seen += 1
+        self.top.append((work, self.seen, trial["tree"]))
+        self.top.sort(key=lambda x: (x[0], x[1]))
+        del self.top[self.TOP:]
         return math.log2(max(work, 1.0))
 
 
@@ -118,10 +125,12 @@ def _cache_directory(path_cache, options) -> Optional[str]:
 
 
 def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_dir=None,
-                     score=None) -> PathResult:
+                     score=None, candidates=()) -> PathResult:
     """Run cotengra optimizers on integer modes (cotengra wants single-character symbols) and
-    keep the best tree by ``score`` (its own score for a single optimizer object); each
-    through a ``ReusableHyperOptimizer`` on ``cache_dir`` when given (HyperOptimizer options)."""
+    keep the best tree by ``score`` (its own score for a single optimizer object), also among
+    ``candidates`` (``(proxy, n, tree)``, filled by the searches: :attr:`PlanObjective.top`);
+    each through a ``ReusableHyperOptimizer`` on ``cache_dir`` when given (HyperOptimizer
+    options)."""
     sym = symbols(sizes)
     back = {v: k for k, v in sym.items()}
     c_in = [[sym[m] for m in t] for t in inputs]
@@ -138,9 +147,14 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
             opt = cotengra.HyperOptimizer(**optimizer) if isinstance(optimizer, dict) else optimizer
             searched = True
         tree = _seeded(lambda: opt.search(c_in, c_out, c_sizes))
-        value = score(tree) if score is not None and len(optimizers) > 1 else 0.0
+        value = score(tree) if score is not None and (len(optimizers) > 1 or candidates) else 0.0
         if best is None or value < best[0]:
             best = (value, tree)
+    if score is not None and candidates:  # the searches' proxy-best trees, scored exactly
+        for _, _, tree in candidates:
+            value = score(tree)
+            if value < best[0]:
+                best = (value, tree)
     tree = best[1]
     return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], name, searched,
                       time.perf_counter() - t0 if searched else 0.0)
@@ -148,15 +162,15 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
 
 def hyper_options(budget: dict, limit_elems, min_slices, objective) -> List[dict]:
     """The ``HyperOptimizer`` options of the default search: without a limit one search; with
-    one, searches slicing to the limit and (given 4 trials or more) to 1/16 of it, (given 16 or
-    more) to 1/4, 1/16, 1/64 and 1/256 of it: the backward's memory may need a tree whose
-    intermediates are well below the limit. The trials are shared between them."""
+    one, a search slicing to the limit and (given 16 trials or more) one slicing to 1/4 of it:
+    the backward's memory may favour a tree with smaller intermediates (the planner splits
+    modes of the others, :func:`~.slicer.split_to_fit`). The trials are shared between them."""
     repeats = budget["max_repeats"]
     base = dict(methods=["greedy"], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED})
     if limit_elems is None and not min_slices:
         return [dict(base, max_repeats=repeats)]
     out = []
-    divisors = (1, 4, 16, 64, 256) if repeats >= 16 else (1, 16) if repeats >= 4 else (1,)
+    divisors = (1, 4) if repeats >= 16 else (1,)
     targets = [None] if limit_elems is None else sorted({max(1, int(limit_elems) // d) for d in divisors},
                                                         reverse=True)
     for target in targets:
@@ -208,7 +222,7 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             opts = hyper_options(budget, limit_elems, min_slices, obj)
             key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k != "minimize")) for o in opts)
             return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
-                                    score=select)
+                                    score=select, candidates=obj.top if isinstance(obj, PlanObjective) else ())
         try:
             fn = opt_einsum.paths.get_path_fn(name)
         except KeyError:

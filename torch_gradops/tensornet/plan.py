@@ -27,7 +27,8 @@ class ContractionPlan:
         network: the effective :class:`~.parser.Network` (integer mode ids) that was planned.
         path: pairwise steps, opt_einsum's linear format (positions in the current list; the
             result goes to the end).
-        sliced_modes: labels of the sliced modes (``sliced_ids``: their mode ids);
+        sliced_modes: labels of the sliced modes (``sliced_ids``: their mode ids); a mode
+            sliced in ranges appears as :class:`~.parser.ModeChunks` (``label/chunks``);
             slice_extents: their extents; num_slices: product of the extents (slice ``s`` is
             the mixed-radix number of the modes' indices, last mode fastest; ``slice_set`` turns
             slice groups into the executor's slice tables, lazily).
@@ -290,9 +291,9 @@ def _forced_modes(slicing, network: parser.Network):
 
 
 class _Slicing:
-    """Sliced modes and checkpoints for a path: :func:`~.slicer.choose_sliced` to the limit,
-    then, where no checkpoint placement keeps the backward's modelled memory within the cap,
-    further slicing (the fallback)."""
+    """Sliced modes and checkpoints for a path: :func:`~.slicer.choose_sliced` to the limit
+    (and ``min_slices``), then, where no checkpoint placement keeps the backward's modelled
+    memory within the cap, :func:`~.slicer.split_to_fit` (modes sliced in chunks, or whole)."""
 
     def __init__(self, network, limit_elems, min_slices, forced, is_complex):
         self.network = network
@@ -303,59 +304,84 @@ class _Slicing:
         self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems
         self._final = {}
 
-    def excess(self, copies=None):
-        def fits(sset, costs):
-            peak, _, _ = slicer.place_checkpoints(costs, self.cap, copies, self.is_complex)
-            return peak - self.cap
-        return fits if self.cap is not None else None
-
-    def choose(self, path, suggested=(), copies=None):
+    def choose(self, path, suggested=()):
         net = self.network
         steps = slicer.step_table(net.inputs, net.output, path)
         start = self.forced + [m for m in (suggested or []) if m not in self.forced]
-        sliced = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start,
-                                      self.excess(copies))
-        return steps, sliced
+        return steps, slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start)
 
     def finalize(self, path, suggested=(), itemsize=8):
-        """``(steps, sliced, checkpoints, copies)`` for a path: sliced to the limit, then, with
-        the compiled layout's copies in the memory model, checkpoints, slicing further while no
-        placement fits the cap. Memoised per path (the search's candidates, then the plan)."""
+        """``(steps, sliced, splits, work)`` for a path: sliced to the limit, then, with the
+        compiled layout's copies in the memory model, split or sliced further while no
+        checkpoint placement fits the cap (``splits``: mode -> chunks). ``work``:
+        :func:`~.slicer.slicing_work`. Memoised per path (the search's candidates, then the
+        plan)."""
         key = (tuple(map(tuple, path)), tuple(suggested or ()), itemsize)
         if key in self._final:
             return self._final[key]
         net = self.network
         steps, sliced = self.choose(path, suggested)
-        for _ in range(4):
-            costs = slicer.step_costs(steps, net.sizes, sliced)
+        splits = {}
+        if self.limit_elems is not None:
             copies = _copies(net, path, sliced, itemsize, self.is_complex)
-            peak, checkpoints, recompute = slicer.place_checkpoints(costs, self.cap, copies, self.is_complex)
-            if self.cap is None or peak <= self.cap:
-                break
-            more = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, sliced,
-                                        self.excess(copies))
-            if more == sliced:
-                break
-            sliced = more
-        work = math.prod(net.sizes[m] for m in sliced) * (3.0 * costs.flops() + recompute)
-        self._final[key] = (steps, sliced, checkpoints, copies, work)
+
+            def peak_of(sizes, sset):
+                peak, _, rec = slicer.place_checkpoints(slicer.StepCosts(steps, sizes, sset), self.cap, copies,
+                                                        self.is_complex)
+                return peak, rec
+            splits, sliced = slicer.chunk_sliced(steps, net.sizes, net.output, sliced, set(self.forced),
+                                                 self.limit_elems, self.min_slices, self.cap, peak_of)
+            sizes = {m: (e // splits[m] if m in splits else e) for m, e in net.sizes.items()}
+            more, whole = slicer.split_to_fit(steps, sizes, net.output, sliced, self.cap, peak_of)
+            for m, f in more.items():  # chunks of chunks are chunks
+                splits[m] = splits.get(m, 1) * f
+            for m in whole:  # a split mode whose chunks are sliced whole is sliced whole
+                splits.pop(m, None)
+            sliced = sliced + whole
+        sizes = {m: (e // splits[m] if m in splits else e) for m, e in net.sizes.items()}
+        costs = slicer.StepCosts(steps, sizes, set(sliced))
+        _, _, recompute = slicer.place_checkpoints(costs, self.cap, None, self.is_complex)
+        nslices = math.prod(net.sizes[m] for m in sliced) * math.prod(splits.values())
+        self._final[key] = (steps, sliced, splits, slicer.slicing_work(costs, nslices, recompute))
         return self._final[key]
 
     def work(self, path, suggested=()) -> float:
-        """The search's score: multiply-adds of forward + backward over all slices, with the
-        backward's recomputation; a tree whose modelled memory does not fit the cap even with
-        checkpoints is charged (peak / cap)^2 on top, a proxy for the slicing it will need."""
+        """The search's score, a cheap proxy of :meth:`finalize`'s work: the path sliced to the
+        limit, whole-sliced modes taken in chunks where that fits (memory model without the
+        layout's copies), with the backward's recomputation; a tree whose modelled memory does
+        not fit the cap even with checkpoints is charged (peak / cap)^0.6 on top, about what
+        splitting modes in halves until it fits costs."""
         net = self.network
-        steps = slicer.step_table(net.inputs, net.output, path)
-        start = self.forced + [m for m in (suggested or []) if m not in self.forced]
-        sliced = slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start)
-        costs = slicer.step_costs(steps, net.sizes, sliced)
+        steps, sliced = self.choose(path, suggested)
+        splits = {}
+        if self.limit_elems is not None:
+            def peak_of(sizes, sset):
+                peak, _, rec = slicer.place_checkpoints(slicer.StepCosts(steps, sizes, sset), self.cap, None,
+                                                        self.is_complex)
+                return peak, rec
+            splits, sliced = slicer.chunk_sliced(steps, net.sizes, net.output, sliced, set(self.forced),
+                                                 self.limit_elems, self.min_slices, self.cap, peak_of)
+        sizes = {m: (e // splits[m] if m in splits else e) for m, e in net.sizes.items()}
+        costs = slicer.StepCosts(steps, sizes, set(sliced))
         peak, _, recompute = slicer.place_checkpoints(costs, self.cap, None, self.is_complex)
-        nslices = math.prod(net.sizes[m] for m in sliced)
-        work = nslices * (3.0 * costs.flops() + recompute)
+        nslices = math.prod(net.sizes[m] for m in sliced) * math.prod(splits.values())
+        work = slicer.slicing_work(costs, nslices, recompute)
         if self.cap is not None and peak > self.cap:
-            work *= (peak / self.cap) ** 2
+            work *= (peak / self.cap) ** 0.6
         return work
+
+
+def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex):
+    """``(network, sliced, checkpoints, copies)`` with the planner's mode splits applied (the
+    chunk modes sliced after the whole ones) and the checkpoints placed on its compiled layout."""
+    if splits:
+        network, chunk = parser.split_modes(network, splits)
+        sliced = list(sliced) + [chunk[m] for m in sorted(splits)]
+    steps = slicer.step_table(network.inputs, network.output, path)
+    copies = _copies(network, path, sliced, itemsize, is_complex)
+    _, checkpoints, _ = slicer.place_checkpoints(slicer.step_costs(steps, network.sizes, sliced), cap, copies,
+                                                 is_complex)
+    return network, sliced, checkpoints, copies
 
 
 @torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling
@@ -387,7 +413,10 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
 
     found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
                             objective=score_tree, path_cache=path_cache, select=select_tree)
-    steps, sliced, checkpoints, copies, _ = slicing_.finalize(found.path, found.sliced, itemsize)
+    steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
+    unsliced_largest = _unsliced_largest(steps, network.sizes)
+    network, sliced, checkpoints, copies = _split_plan_network(network, found.path, sliced, splits, slicing_.cap,
+                                                               itemsize, dtype.is_complex)
     plan = ContractionPlan(expr=expr if expr is not None else parser.describe(terms, out),
                            inputs=[tuple(t) for t in terms], output=tuple(out), shapes=shapes, dtype=dtype,
                            device_type=device_type, network=network, path=found.path, sliced=sliced,
@@ -399,7 +428,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
             f"{plan.flops / max(plan.unsliced_flops, 1):.3g}x the unsliced {plan.unsliced_flops:.3g} "
             f"(estimated {_seconds(plan.estimated_seconds(False))} forward on {device_type}); raise "
             f"memory_limit (now {format_bytes(limit) if limit is not None else None}; the unsliced largest "
-            f"intermediate is {format_bytes(_unsliced_largest(steps, network.sizes) * itemsize)}), slice fewer "
+            f"intermediate is {format_bytes(unsliced_largest * itemsize)}), slice fewer "
             f"modes, or pass max_overhead=None to create it anyway and contract slice groups of it lazily")
     plan.plan_s = time.perf_counter() - t0
     return plan

@@ -8,8 +8,10 @@ results add up (or, for an output mode, fill their own blocks of the output).
 extra memory within :data:`BACKWARD_FACTOR` x ``memory_limit`` by recomputation between
 checkpoints: :func:`memory_model` models what the executor holds for one slice's forward +
 backward, and :func:`place_checkpoints` places the fewest-recomputation checkpoints that keep
-it under the cap (slicing more only where no placement can). :class:`Slices` turns slice ids
-into the executor's slice tables, lazily, in chunks.
+it under the cap. Where no placement can, :func:`split_to_fit` slices further, preferring
+modes taken in chunks (a mode of extent 16 in 2 ranges of 8: twice the slices, not 16 times)
+and the least extra work per memory saved. :class:`Slices` turns slice ids into the
+executor's slice tables, lazily, in chunks.
 """
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs",
-           "memory_model", "place_checkpoints", "choose_sliced", "Slices"]
+           "memory_model", "place_checkpoints", "choose_sliced", "split_to_fit", "slicing_work",
+           "STEP_OVERHEAD_MACS", "Slices"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
 # BACKWARD_FACTOR * L beyond the operands, their gradients and the output, whatever the number
@@ -333,6 +336,108 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
             result[j] //= e
         for j in in_all[best]:
             macs[j] //= e
+
+
+# Per executor step and slice, what a step costs besides its multiply-adds, in multiply-adds
+# (dispatch and bookkeeping, a few microseconds on CPU): plans of many tiny slices pay it.
+STEP_OVERHEAD_MACS = 1e5
+
+
+def slicing_work(costs: StepCosts, nslices: int, recompute: float = 0.0) -> float:
+    """The planner's cost of a sliced path, in multiply-adds: per slice the forward + backward
+    (3 x the forward), what the backward recomputes, and :data:`STEP_OVERHEAD_MACS` per step
+    of each of the three passes."""
+    return nslices * (3.0 * costs.flops() + recompute + 3 * STEP_OVERHEAD_MACS * len(costs.result))
+
+
+def _divisors(e: int) -> List[int]:
+    return [d for d in range(2, e + 1) if e % d == 0]
+
+
+def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: int, min_slices: Optional[int],
+                 cap: Optional[float], peak_of) -> Tuple[Dict[int, int], List[int]]:
+    """Whole-sliced modes (``sliced`` but not ``keep``) taken in chunks where fewer slices do:
+    each, last chosen first, is sliced in the fewest chunks that keep every intermediate of a
+    slice within ``limit_elems``, ``min_slices`` slices and the modelled peak within ``cap``
+    (a mode of extent 16 sliced where 4 chunks would fit costs 4x the slices). Returns
+    ``(splits, sliced)``: mode -> chunks, and the modes still sliced whole."""
+    sizes = dict(sizes)
+    sliced = list(sliced)
+    sset = set(sliced)
+    splits: Dict[int, int] = {}
+    out = set(output)
+    res_sets = [res for _, res, _, _ in steps] + [frozenset(output)]
+    for m in reversed(list(sliced)):
+        if m in keep or m in out:
+            continue
+        e = sizes[m]
+        others = math.prod(sizes[x] for x in sset if x != m) * math.prod(splits.values())
+        for f in _divisors(e)[:-1]:
+            if min_slices and others * f < min_slices:
+                continue
+            s2 = dict(sizes)
+            s2[m] = e // f
+            set2 = sset - {m}
+            if max(math.prod(s2[x] for x in r if x not in set2) for r in res_sets) > limit_elems:
+                continue
+            if cap is not None and peak_of(s2, set2)[0] > cap:
+                continue
+            sizes, sset = s2, set2
+            splits[m] = f
+            sliced.remove(m)
+            break
+    return splits, sliced
+
+
+def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dict[int, int], List[int]]:
+    """Further slicing until ``peak_of(sizes, sliced)`` (the modelled peak, elements, and the
+    recomputed multiply-adds of one slice, for per-slice extents ``sizes``) is within ``cap``:
+    ``(splits, whole)`` with ``splits[m]`` the number of chunks mode ``m`` is sliced in (its
+    ranges; :func:`~.parser.split_modes`) and ``whole`` the modes sliced index by index.
+
+    Greedy: each round takes the (mode, chunks) that fits with the least work
+    (:func:`slicing_work`), or, when none fits yet, the least extra work per memory saved
+    (log work ratio over log peak ratio). Output modes are sliced whole only (their chunks
+    would be output blocks). Candidates: modes of the larger intermediates. Stops when nothing
+    lowers the peak (the caller reports the modelled peak)."""
+    sizes = dict(sizes)
+    sset = set(sliced)
+    nslices = math.prod(sizes[m] for m in sliced)
+    out = set(output)
+    splits: Dict[int, int] = {}
+    whole: List[int] = []
+    costs = StepCosts(steps, sizes, sset)
+    peak, rec = peak_of(sizes, sset)
+    work = slicing_work(costs, nslices, rec)
+    res_sets = [res for _, res, _, _ in steps]
+    while peak > cap:
+        largest = max(costs.result)
+        cands = sorted({m for j, r in enumerate(res_sets) if 16 * costs.result[j] >= largest for m in r
+                        if m not in sset and m not in splits and sizes[m] > 1})
+        best = None
+        for m in cands:
+            e = sizes[m]
+            for f in ([e] if m in out else _divisors(e)):
+                s2 = dict(sizes)
+                s2[m] = e // f
+                set2 = sset | {m} if f == e else sset
+                pk, rc = peak_of(s2, set2)
+                if pk >= peak:
+                    continue
+                wk = slicing_work(StepCosts(steps, s2, set2), nslices * f, rc)
+                key = (0, wk) if pk <= cap else (1, math.log(max(wk, 1.0) / max(work, 1.0)) / math.log(peak / pk))
+                if best is None or key < best[0]:
+                    best = (key, m, f, s2, set2, pk, wk)
+        if best is None:
+            break
+        _, m, f, sizes, sset, peak, work = best
+        nslices *= f
+        if m in sset:
+            whole.append(m)
+        else:
+            splits[m] = f
+        costs = StepCosts(steps, sizes, sset)
+    return splits, whole
 
 
 # ---------------------------------------------------------------------------- slice ids
