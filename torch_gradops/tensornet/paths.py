@@ -151,7 +151,9 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
         if best is None or value < best[0]:
             best = (value, tree)
     if score is not None and candidates:  # the searches' proxy-best trees, scored exactly
-        for _, _, tree in candidates:
+        for proxy, _, tree in candidates:
+            if proxy > 4 * candidates[0][0]:
+                break  # far behind by the proxy: not worth an exact score
             value = score(tree)
             if value < best[0]:
                 best = (value, tree)

@@ -413,11 +413,11 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
     while peak > cap:
         largest = max(costs.result)
         cands = sorted({m for j, r in enumerate(res_sets) if 16 * costs.result[j] >= largest for m in r
-                        if m not in sset and m not in splits and sizes[m] > 1})
+                        if m not in sset and sizes[m] > 1})
         best = None
         for m in cands:
             e = sizes[m]
-            for f in ([e] if m in out else _divisors(e)):
+            for f in ([e] if m in out else _divisors(e)):  # a split mode may be split again
                 s2 = dict(sizes)
                 s2[m] = e // f
                 set2 = sset | {m} if f == e else sset
@@ -432,10 +432,11 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
             break
         _, m, f, sizes, sset, peak, work = best
         nslices *= f
-        if m in sset:
+        if m in sset:  # sliced whole (a split mode's chunks sliced whole: the mode sliced whole)
             whole.append(m)
+            splits.pop(m, None)
         else:
-            splits[m] = f
+            splits[m] = splits.get(m, 1) * f
         costs = StepCosts(steps, sizes, sset)
     return splits, whole
 
