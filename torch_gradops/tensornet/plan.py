@@ -310,6 +310,28 @@ class _Slicing:
         start = self.forced + [m for m in (suggested or []) if m not in self.forced]
         return steps, slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start)
 
+    def _peak_of(self, copies):
+        """``costs -> (modelled peak, recomputed multiply-adds)`` with the best checkpoints."""
+        def peak_of(costs):
+            peak, _, recompute = slicer.place_checkpoints(costs, self.cap, copies, self.is_complex)
+            return peak, recompute
+        return peak_of
+
+    def _chunked(self, steps, sliced, peak_of):
+        """``(splits, sliced)``: :func:`~.slicer.chunk_sliced` under a limit; else unchanged."""
+        if self.limit_elems is None:
+            return {}, sliced
+        return slicer.chunk_sliced(steps, self.network.sizes, self.network.output, sliced, set(self.forced),
+                                   self.limit_elems, self.min_slices, self.cap, peak_of)
+
+    def _cost(self, steps, sliced, splits) -> Tuple[int, float]:
+        """``(modelled peak without the layout's copies, work)`` of a chunked slicing."""
+        net = self.network
+        costs = slicer.StepCosts(steps, slicer.chunked_sizes(net.sizes, splits), set(sliced))
+        peak, recompute = self._peak_of(None)(costs)
+        nslices = math.prod(net.sizes[m] for m in sliced) * math.prod(splits.values())
+        return peak, slicer.slicing_work(costs, nslices, recompute)
+
     def finalize(self, path, suggested=(), itemsize=8):
         """``(steps, sliced, splits, work)`` for a path: sliced to the limit, then, with the
         compiled layout's copies in the memory model, split or sliced further while no
@@ -323,26 +345,16 @@ class _Slicing:
         steps, sliced = self.choose(path, suggested)
         splits = {}
         if self.limit_elems is not None:
-            copies = _copies(net, path, sliced, itemsize, self.is_complex)
-
-            def peak_of(sizes, sset):
-                peak, _, rec = slicer.place_checkpoints(slicer.StepCosts(steps, sizes, sset), self.cap, copies,
-                                                        self.is_complex)
-                return peak, rec
-            splits, sliced = slicer.chunk_sliced(steps, net.sizes, net.output, sliced, set(self.forced),
-                                                 self.limit_elems, self.min_slices, self.cap, peak_of)
-            sizes = {m: (e // splits[m] if m in splits else e) for m, e in net.sizes.items()}
-            more, whole = slicer.split_to_fit(steps, sizes, net.output, sliced, self.cap, peak_of)
+            peak_of = self._peak_of(_copies(net, path, sliced, itemsize, self.is_complex))
+            splits, sliced = self._chunked(steps, sliced, peak_of)
+            more, whole = slicer.split_to_fit(steps, slicer.chunked_sizes(net.sizes, splits), net.output, sliced,
+                                              self.cap, peak_of)
             for m, f in more.items():  # chunks of chunks are chunks
                 splits[m] = splits.get(m, 1) * f
             for m in whole:  # a split mode whose chunks are sliced whole is sliced whole
                 splits.pop(m, None)
             sliced = sliced + whole
-        sizes = {m: (e // splits[m] if m in splits else e) for m, e in net.sizes.items()}
-        costs = slicer.StepCosts(steps, sizes, set(sliced))
-        _, _, recompute = slicer.place_checkpoints(costs, self.cap, None, self.is_complex)
-        nslices = math.prod(net.sizes[m] for m in sliced) * math.prod(splits.values())
-        self._final[key] = (steps, sliced, splits, slicer.slicing_work(costs, nslices, recompute))
+        self._final[key] = (steps, sliced, splits, self._cost(steps, sliced, splits)[1])
         return self._final[key]
 
     def work(self, path, suggested=()) -> float:
@@ -351,21 +363,9 @@ class _Slicing:
         layout's copies), with the backward's recomputation; a tree whose modelled memory does
         not fit the cap even with checkpoints is charged (peak / cap)^0.6 on top, about what
         splitting modes in halves until it fits costs."""
-        net = self.network
         steps, sliced = self.choose(path, suggested)
-        splits = {}
-        if self.limit_elems is not None:
-            def peak_of(sizes, sset):
-                peak, _, rec = slicer.place_checkpoints(slicer.StepCosts(steps, sizes, sset), self.cap, None,
-                                                        self.is_complex)
-                return peak, rec
-            splits, sliced = slicer.chunk_sliced(steps, net.sizes, net.output, sliced, set(self.forced),
-                                                 self.limit_elems, self.min_slices, self.cap, peak_of)
-        sizes = {m: (e // splits[m] if m in splits else e) for m, e in net.sizes.items()}
-        costs = slicer.StepCosts(steps, sizes, set(sliced))
-        peak, _, recompute = slicer.place_checkpoints(costs, self.cap, None, self.is_complex)
-        nslices = math.prod(net.sizes[m] for m in sliced) * math.prod(splits.values())
-        work = slicer.slicing_work(costs, nslices, recompute)
+        splits, sliced = self._chunked(steps, sliced, self._peak_of(None))
+        peak, work = self._cost(steps, sliced, splits)
         if self.cap is not None and peak > self.cap:
             work *= (peak / self.cap) ** 0.6
         return work

@@ -23,8 +23,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs",
-           "memory_model", "place_checkpoints", "choose_sliced", "split_to_fit", "slicing_work",
-           "STEP_OVERHEAD_MACS", "Slices"]
+           "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
+           "slicing_work", "STEP_OVERHEAD_MACS", "Slices"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
 # BACKWARD_FACTOR * L beyond the operands, their gradients and the output, whatever the number
@@ -350,6 +350,11 @@ def slicing_work(costs: StepCosts, nslices: int, recompute: float = 0.0) -> floa
     return nslices * (3.0 * costs.flops() + recompute + 3 * STEP_OVERHEAD_MACS * len(costs.result))
 
 
+def chunked_sizes(sizes: Dict[int, int], splits: Dict[int, int]) -> Dict[int, int]:
+    """Per-slice extents with each mode of ``splits`` taken in ``splits[m]`` chunks."""
+    return {m: e // splits.get(m, 1) for m, e in sizes.items()}
+
+
 def _divisors(e: int) -> List[int]:
     return [d for d in range(2, e + 1) if e % d == 0]
 
@@ -359,7 +364,8 @@ def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: int, min_slice
     """Whole-sliced modes (``sliced`` but not ``keep``) taken in chunks where fewer slices do:
     each, last chosen first, is sliced in the fewest chunks that keep every intermediate of a
     slice within ``limit_elems``, ``min_slices`` slices and the modelled peak within ``cap``
-    (a mode of extent 16 sliced where 4 chunks would fit costs 4x the slices). Returns
+    (``peak_of(costs)``: as in :func:`split_to_fit`; a mode of extent 16 sliced where 4 chunks
+    would fit costs 4x the slices). Returns
     ``(splits, sliced)``: mode -> chunks, and the modes still sliced whole."""
     sizes = dict(sizes)
     sliced = list(sliced)
@@ -380,7 +386,7 @@ def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: int, min_slice
             set2 = sset - {m}
             if max(math.prod(s2[x] for x in r if x not in set2) for r in res_sets) > limit_elems:
                 continue
-            if cap is not None and peak_of(s2, set2)[0] > cap:
+            if cap is not None and peak_of(StepCosts(steps, s2, set2))[0] > cap:
                 continue
             sizes, sset = s2, set2
             splits[m] = f
@@ -390,8 +396,8 @@ def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: int, min_slice
 
 
 def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dict[int, int], List[int]]:
-    """Further slicing until ``peak_of(sizes, sliced)`` (the modelled peak, elements, and the
-    recomputed multiply-adds of one slice, for per-slice extents ``sizes``) is within ``cap``:
+    """Further slicing until ``peak_of(costs)`` (the modelled peak, elements, and the
+    recomputed multiply-adds of one slice with those :class:`StepCosts`) is within ``cap``:
     ``(splits, whole)`` with ``splits[m]`` the number of chunks mode ``m`` is sliced in (its
     ranges; :func:`~.parser.split_modes`) and ``whole`` the modes sliced index by index.
 
@@ -407,7 +413,7 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
     splits: Dict[int, int] = {}
     whole: List[int] = []
     costs = StepCosts(steps, sizes, sset)
-    peak, rec = peak_of(sizes, sset)
+    peak, rec = peak_of(costs)
     work = slicing_work(costs, nslices, rec)
     res_sets = [res for _, res, _, _ in steps]
     while peak > cap:
@@ -421,23 +427,23 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
                 s2 = dict(sizes)
                 s2[m] = e // f
                 set2 = sset | {m} if f == e else sset
-                pk, rc = peak_of(s2, set2)
+                c2 = StepCosts(steps, s2, set2)
+                pk, rc = peak_of(c2)
                 if pk >= peak:
                     continue
-                wk = slicing_work(StepCosts(steps, s2, set2), nslices * f, rc)
+                wk = slicing_work(c2, nslices * f, rc)
                 key = (0, wk) if pk <= cap else (1, math.log(max(wk, 1.0) / max(work, 1.0)) / math.log(peak / pk))
                 if best is None or key < best[0]:
-                    best = (key, m, f, s2, set2, pk, wk)
+                    best = (key, m, f, s2, set2, c2, pk, wk)
         if best is None:
             break
-        _, m, f, sizes, sset, peak, work = best
+        _, m, f, sizes, sset, costs, peak, work = best
         nslices *= f
         if m in sset:  # sliced whole (a split mode's chunks sliced whole: the mode sliced whole)
             whole.append(m)
             splits.pop(m, None)
         else:
             splits[m] = splits.get(m, 1) * f
-        costs = StepCosts(steps, sizes, sset)
     return splits, whole
 
 
