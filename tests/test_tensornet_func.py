@@ -119,18 +119,63 @@ def test_gradcheck_with_forward_ad(case):
     assert torch.autograd.gradgradcheck(ours, ops, check_fwd_over_rev=True)
 
 
-def test_compiled_transform_raises_instead_of_dropping_the_gradient():
-    """torch.compile over torch.func.grad calls the op itself (Dynamo does not trace our
-    Function inside transforms): its Autograd kernel must raise, never return a gradient that
-    silently misses the contraction."""
-    a, b, c = _ops([(3, 4), (4, 5), (5, 2)])
-    f = lambda x: tn.contract("ab,bc,cd->ad", x, b, c, slicing=["b"]).sin().sum()  # noqa: E731
-    f(a)  # plan eagerly
+COMPILED_TRANSFORMS = {
+    "grad": lambda f, rest: grad(lambda x: f(x, *rest).sin().sum()),
+    "vmap": lambda f, rest: vmap(lambda x: f(x, *rest), in_dims=1),
+    "jvp": lambda f, rest: lambda x: jvp(lambda y: f(y, *rest), (x,), (torch.cos(x),))[1],
+    "dual_tensors": lambda f, rest: lambda x: _dual_tangent(lambda y: f(y, *rest), x),
+    "jacfwd": lambda f, rest: jacfwd(lambda x: f(x, *rest)),
+    "jacrev": lambda f, rest: jacrev(lambda x: f(x, *rest)),
+    "hessian": lambda f, rest: hessian(lambda x: f(x, *rest).sin().sum()),
+    "vmap_of_grad": lambda f, rest: vmap(grad(lambda x: f(x, *rest).sin().sum()), in_dims=1),
+    "jacfwd_of_jacfwd": lambda f, rest: jacfwd(jacfwd(lambda x: f(x, *rest).sin().sum())),
+}
+
+
+def _dual_tangent(fn, x):
+    from torch.autograd import forward_ad
+    with forward_ad.dual_level():
+        return forward_ad.unpack_dual(fn(forward_ad.make_dual(x, torch.cos(x)))).tangent
+
+
+@pytest.mark.parametrize("transform", list(COMPILED_TRANSFORMS))
+@pytest.mark.parametrize("case", [0, 1, 3])
+def test_torch_compile_fullgraph_traces_every_transform(transform, case):
+    """torch.compile(fullgraph=True) over each torch.func transform of contract, sliced plans
+    included, equals the same transform of torch.einsum: the executor with no transform, a
+    summed tangent of executor calls in forward mode, einsum steps along the plan's path
+    under vmap and reverse-mode transforms (torch_gradops._transforms)."""
+    expr, shapes, slicing = CASES[case]
+    ours, ref = _fns(expr, slicing)
+    ops = _ops(shapes)
+    ours(*ops)  # plan eagerly
+    x = ops[0] if transform not in ("vmap", "vmap_of_grad") else torch.stack([ops[0], 2 * ops[0]], 1)
     torch._dynamo.reset()
-    compiled = torch.compile(grad(f), fullgraph=True, backend="aot_eager")
-    try:
-        got = compiled(a)
-    except Exception as exc:  # noqa: BLE001  (Dynamo wraps the op's error)
-        assert "not implemented" in str(exc)
-    else:
-        torch.testing.assert_close(got, grad(lambda x: torch.einsum("ab,bc,cd->ad", x, b, c).sin().sum())(a))
+    got = torch.compile(COMPILED_TRANSFORMS[transform](ours, ops[1:]), fullgraph=True, backend="aot_eager")(x)
+    torch.testing.assert_close(got, COMPILED_TRANSFORMS[transform](ref, ops[1:])(x))
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_nested_forward_mode_matches_einsum(case):
+    """jacfwd of jacfwd and jvp of jvp: a custom Function's jvp loses the enclosing forward
+    levels' tangents under torch.func (the Hessian of x.x came out 0); with two forward levels
+    contract runs as einsum steps along its plan."""
+    expr, shapes, slicing = CASES[case]
+    ours, ref = _fns(expr, slicing)
+    ops = _ops(shapes, seed=5)
+    for fn_of in (lambda f: jacfwd(jacfwd(lambda x: f(x, *ops[1:]).sin().sum())),
+                  lambda f: lambda x: jvp(lambda y: jvp(lambda z: f(z, *ops[1:]), (y,), (y.cos(),))[1],
+                                          (x,), (x.sin(),))[1]):
+        torch.testing.assert_close(fn_of(ours)(ops[0]), fn_of(ref)(ops[0]))
+    x = _ops([(3, 4)], seed=6)[0]
+    sq = lambda y: tn.contract("ab,ab->", y, y)  # noqa: E731
+    torch.testing.assert_close(jacfwd(jacfwd(sq))(x).reshape(12, 12), 2 * torch.eye(12, dtype=F64))
+
+
+def test_nested_forward_mode_partial_slice_group_raises():
+    a, b = _ops([(3, 4), (4, 5)])
+    f = lambda x: tn.contract("ab,bc->ac", x, b, slicing=["b"], slices=[0, 1]).sum()  # noqa: E731
+    with pytest.raises(NotImplementedError, match="partial slice group"):
+        jacfwd(jacfwd(f))(a)
+
+

@@ -3,7 +3,7 @@
 The forward kernel makes one pass over each destination's incoming edges with an online
 softmax and saves only the per-(destination, head) log-sum-exp; the backward recomputes the
 attention from it and sums without atomics, so gradients are bitwise reproducible. Nothing of
-size ``E x heads x channels`` is ever allocated, on any path:
+size ``E x heads x channels`` is allocated on these paths:
 
 * first-order backward (``.backward()``, ``autograd.grad`` without ``create_graph``): the fused
   backward kernel;
@@ -14,6 +14,10 @@ size ``E x heads x channels`` is ever allocated, on any path:
   derivatives are the primitives again, so every order is exact with ``O(E x H)`` extra memory;
 * ``torch.vmap``: the vmapped dimension is folded into the heads (``[B, N, H, C] -> [N, B*H, C]``)
   and every kernel runs once for the whole batch (vmap rules on the ops).
+
+Two cases run as plain PyTorch ops instead (``E x H x C``; see :mod:`._transforms`): nested
+forward mode (``jacfwd(jacfwd(f))``, where torch.func would drop the second-order terms of a
+custom ``jvp``) and reverse-mode torch.func transforms inside ``torch.compile``.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd import forward_ad
 
+from ._transforms import COMPOSITE, FUSED_JVP, join_dual, route, split_duals
 from .library import check_backend, ops
 from .graph import BipartiteCSC, csc_destinations
 
@@ -459,6 +464,36 @@ def _gat_jvp(t_x, t_asrc, t_adst, t_el, x_src, a_src, a_dst, el, lse, edges: _Ed
     return t_out.to(dtype), (t_alpha.to(dtype) if want_alpha else None)
 
 
+def _segment_softmax(scores: torch.Tensor, dst: torch.Tensor, num_dst: int) -> torch.Tensor:
+    """Softmax of ``scores [E, H]`` over the edges of each destination, in plain PyTorch ops
+    (the shift by each segment's maximum is a constant: the result is renormalised)."""
+    index = dst.unsqueeze(-1).expand_as(scores)
+    shift = scores.detach().new_full((num_dst, scores.size(-1)), float("-inf"))
+    shift = shift.scatter_reduce(0, index, scores.detach(), "amax", include_self=True)
+    q = torch.exp(scores - shift.index_select(0, dst))
+    return q / q.new_zeros((num_dst, scores.size(-1))).index_add(0, dst, q).index_select(0, dst)
+
+
+def _gat_composite(x_src, a_src, a_dst, el, graph: BipartiteCSC, mask, negative_slope: float,
+                   dropout_scale: float):
+    """``(out, alpha)`` (alpha in CSC order) in plain PyTorch ops, differentiable by PyTorch in
+    every mode and at every order; holds ``E x H x C`` (see :mod:`._transforms` for when)."""
+    dtype = x_src.dtype
+    acc = _acc_dtype(dtype)
+    x, a_s, a_d = x_src.to(acc), a_src.to(acc), a_dst.to(acc)
+    src = graph.indices.long()
+    dst = csc_destinations(graph.indptr, graph.num_edges).long()
+    z = a_s.index_select(0, src) + a_d.index_select(0, dst)
+    if el is not None:
+        z = z + el.to(acc)
+    alpha = _segment_softmax(F.leaky_relu(z, negative_slope), dst, graph.num_dst)
+    if mask is not None:
+        alpha = alpha * (mask.to(acc) * dropout_scale)
+    out = x.new_zeros((graph.num_dst,) + tuple(x.shape[1:]))
+    out = out.index_add(0, dst, alpha.unsqueeze(-1) * x.index_select(0, src))
+    return out.to(dtype), alpha.to(dtype)
+
+
 # ---------------------------------------------------------------------------- autograd
 class _GATAttentionFirstOrder(torch.autograd.Function):
     """Forward and backward of :class:`GATAttentionFunction`, without ``jvp``: the class that
@@ -674,11 +709,6 @@ def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
-@torch.compiler.disable
-def _apply_eagerly(*args):
-    return GATAttentionFunction.apply(*args)
-
-
 def _has_tangent(t: torch.Tensor) -> bool:
     return forward_ad.unpack_dual(t).tangent is not None
 
@@ -719,26 +749,36 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
         scale = 1.0 / (1.0 - dropout)
     grad_inputs = [t for t in (x_src, a_src, a_dst, edge_logits) if t is not None]
     compiling = torch.compiler.is_compiling()
-    with_tangent = any(_has_tangent(t) for t in grad_inputs)
+    how = route(grad_inputs, compiling)
+    if how == COMPOSITE:
+        _prepare_graph(graph, reverse=False, inverse=bool(return_attention))
+        out, alpha = _gat_composite(x_src, a_src, a_dst, el, graph, mask, float(negative_slope), scale)
+        return (out, graph.original_order(alpha)) if return_attention else out
     # The reverse index serves reverse-mode gradients; an input with a forward-mode tangent may
     # have its tangent's graph differentiated later (jacrev over jvp), so it gets one too. Under
     # torch.compile requires_grad does not show through torch.func transforms: always built.
     want_reverse = torch.is_grad_enabled() and (
-        compiling or with_tangent or any(t.requires_grad for t in grad_inputs))
+        compiling or any(t.requires_grad or _has_tangent(t) for t in grad_inputs))
     rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
     rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)
-    args = (x_src, a_src, a_dst, el, graph.indptr, graph.indices, *rev_tensors, mask,
-            float(negative_slope), float(scale), bool(return_attention))
+    tail = (graph.indptr, graph.indices, *rev_tensors, mask, float(negative_slope), float(scale),
+            bool(return_attention))
     if not compiling:
-        out, _, alpha = GATAttentionFunction.apply(*args)
-    elif with_tangent:
-        # Dynamo ignores a Function's jvp and differentiates its forward, whose op has no
-        # forward-mode formula: the tangent would come out zero. Run this call eagerly instead
-        # (a graph break; torch.compile(fullgraph=True) raises here).
-        out, _, alpha = _apply_eagerly(*args)
+        out, _, alpha = GATAttentionFunction.apply(x_src, a_src, a_dst, el, *tail)
+    elif how == FUSED_JVP:
+        # Dynamo does not call a Function's jvp (see _transforms): the tangents come from the
+        # fused JVP here, the primal from the first-order Function.
+        (xp, asp, adp, elp), (t_x, t_as, t_ad, t_el) = split_duals((x_src, a_src, a_dst, el))
+        out, lse, alpha = _GATAttentionFirstOrder.apply(xp, asp, adp, elp, *tail)
+        edges = _Edges.of_csc(graph.indptr, graph.indices, *rev_tensors, xp.size(0))
+        t_out, t_alpha = _gat_jvp(t_x, t_as, t_ad, t_el, xp, asp, adp, elp, lse, edges, mask,
+                                  float(negative_slope), float(scale), bool(return_attention))
+        out = join_dual(out, t_out)
+        if return_attention:  # (reordered before joining: an index_select of a dual fails to trace)
+            return out, join_dual(graph.original_order(alpha), graph.original_order(t_alpha))
     else:
         # Dynamo cannot trace a Function that defines jvp: compiled code gets the first-order one.
-        out, _, alpha = _GATAttentionFirstOrder.apply(*args)
+        out, _, alpha = _GATAttentionFirstOrder.apply(x_src, a_src, a_dst, el, *tail)
     if return_attention:
         return out, graph.original_order(alpha)
     return out

@@ -20,9 +20,9 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from torch.autograd import forward_ad
 
-from .gat import _fold_heads, _prepare_graph, _unfold_heads, _vmap_per_item
+from ._transforms import COMPOSITE, FUSED_JVP, join_dual, route, split_duals
+from .gat import _fold_heads, _prepare_graph, _segment_softmax, _unfold_heads, _vmap_per_item
 from .graph import BipartiteCSC, csc_destinations
 from .library import check_backend, ops
 
@@ -164,6 +164,27 @@ def _gatv2_backward_differentiable(grad_out, grad_alpha, x_src, x_dst, att, edge
     return [None if t is None else t.to(dtype) for t in g]
 
 
+def _gatv2_composite(x_src, x_dst, att, edge_attr, edge_weight, graph: BipartiteCSC, mask, negative_slope: float,
+                     dropout_scale: float):
+    """``(out, alpha)`` (alpha in CSC order; ``edge_attr`` in CSC order) in plain PyTorch ops,
+    differentiable by PyTorch in every mode and at every order; holds ``E x H x C`` (see
+    :mod:`.._transforms` for when it runs)."""
+    dtype = x_src.dtype
+    acc = _acc_dtype(dtype)
+    xs, xd, att_a = x_src.to(acc), x_dst.to(acc), att.to(acc)
+    src = graph.indices.long()
+    dst = csc_destinations(graph.indptr, graph.num_edges).long()
+    z = xs.index_select(0, src) + xd.index_select(0, dst)
+    if edge_attr is not None:
+        z = z + _edge_term(edge_attr.to(acc), None if edge_weight is None else edge_weight.to(acc))
+    alpha = _segment_softmax((F.leaky_relu(z, negative_slope) * att_a).sum(-1), dst, graph.num_dst)
+    if mask is not None:
+        alpha = alpha * (mask.to(acc) * dropout_scale)
+    out = xs.new_zeros((graph.num_dst,) + tuple(xs.shape[1:]))
+    out = out.index_add(0, dst, alpha.unsqueeze(-1) * xs.index_select(0, src))
+    return out.to(dtype), alpha.to(dtype)
+
+
 # ---------------------------------------------------------------------------- autograd
 _N_DIFF = 5  # x_src, x_dst, att, edge_attr, edge_weight
 _N_REST = 9  # indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, slope, scale, return_alpha
@@ -257,69 +278,78 @@ class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
     @staticmethod
     def jvp(ctx, t_xs, t_xd, t_att, t_ea, t_w, *_):
         x_src, x_dst, att, ea, w, indptr, indices, mask, out, lse = ctx.saved_tensors
-        acc = _acc_dtype(x_src.dtype)
-        cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
-        xs, xd, att_a, ea_a, w_a = map(cast, (x_src, x_dst, att, ea, w))
-        t_xs, t_xd, t_att = map(cast, (t_xs, t_xd, t_att))
-        t_ea = cast(t_ea) if ea is not None else None
-        t_w = cast(t_w) if w is not None else None
-        src = indices.long()
-        dst = csc_destinations(indptr, indices.numel()).long()
-        num_edges, heads, channels = src.numel(), x_src.size(-2), x_src.size(-1)
-        # Edges in chunks whose [chunk, H, C] temporaries hold about E x H elements (at least 4096
-        # edges): memory O(E x H), the same arithmetic as one pass.
-        step = max(1, min(num_edges, max(num_edges // max(channels, 1), 4096)))
-        keep = mask.to(acc) * ctx.dropout_scale if mask is not None else None
+        t_out, t_alpha = _gatv2_jvp((t_xs, t_xd, t_att, t_ea, t_w), x_src, x_dst, att, ea, w, indptr, indices,
+                                    mask, lse, ctx.negative_slope, ctx.dropout_scale, ctx.return_alpha)
+        return t_out, None, t_alpha
 
-        def z_of(lo, hi):
-            s, d = src[lo:hi], dst[lo:hi]
-            z = xs.index_select(0, s) + xd.index_select(0, d)
-            if ea_a is not None:
-                z = z + _edge_term(ea_a[lo:hi], w_a)
-            tz = None
-            for t, idx in ((t_xs, s), (t_xd, d)):
-                if t is not None:
-                    g = t.index_select(0, idx)
-                    tz = g if tz is None else tz + g
-            if t_ea is not None:
-                g = _edge_term(t_ea[lo:hi], w_a)
-                tz = g if tz is None else tz + g
-            if t_w is not None:
-                g = _edge_term(ea_a[lo:hi], t_w)
-                tz = g if tz is None else tz + g
-            return z, tz
 
-        # pass 1: alpha and the score tangents ts[e,h] = d s[e,h]
-        alpha_parts, ts_parts = [], []
-        for lo in range(0, num_edges, step):
-            hi = min(lo + step, num_edges)
-            z, tz = z_of(lo, hi)
-            lr = F.leaky_relu(z, ctx.negative_slope)
-            alpha_parts.append(torch.exp((lr * att_a).sum(-1) - lse.index_select(0, dst[lo:hi])))
-            ts = torch.zeros_like(alpha_parts[-1])
-            if tz is not None:
-                slope = _leaky_slope(z, ctx.negative_slope)
-                ts = ts + (att_a * slope * tz).sum(-1)
-            if t_att is not None:
-                ts = ts + (t_att * lr).sum(-1)
-            ts_parts.append(ts)
-        alpha = torch.cat(alpha_parts) if alpha_parts else lse.new_zeros((0, heads))
-        ts = torch.cat(ts_parts) if ts_parts else alpha
-        dbar = torch.zeros_like(lse).index_add(0, dst, alpha * ts)
-        t_alpha = alpha * (ts - dbar.index_select(0, dst))
-        if keep is not None:
-            t_alpha, alpha = t_alpha * keep, alpha * keep
-        # pass 2: t_out = sum_e t_alpha x_src[j] + alpha t_x_src[j]
-        t_out = torch.zeros(out.shape, dtype=acc, device=out.device)
-        for lo in range(0, num_edges, step):
-            hi = min(lo + step, num_edges)
-            s, d = src[lo:hi], dst[lo:hi]
-            msg = t_alpha[lo:hi].unsqueeze(-1) * xs.index_select(0, s)
-            if t_xs is not None:
-                msg = msg + alpha[lo:hi].unsqueeze(-1) * t_xs.index_select(0, s)
-            t_out = t_out.index_add(0, d, msg)
-        t_alpha_out = t_alpha.to(x_src.dtype) if ctx.return_alpha else None
-        return t_out.to(out.dtype), None, t_alpha_out
+def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, negative_slope, dropout_scale,
+               want_alpha):
+    """Tangents of ``out`` and of ``alpha`` (CSC order; None unless ``want_alpha``) along
+    ``tangents`` (of x_src, x_dst, att, edge_attr, edge_weight; None entries: no tangent)."""
+    t_xs, t_xd, t_att, t_ea, t_w = tangents
+    acc = _acc_dtype(x_src.dtype)
+    cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
+    xs, xd, att_a, ea_a, w_a = map(cast, (x_src, x_dst, att, ea, w))
+    t_xs, t_xd, t_att = map(cast, (t_xs, t_xd, t_att))
+    t_ea = cast(t_ea) if ea is not None else None
+    t_w = cast(t_w) if w is not None else None
+    src = indices.long()
+    dst = csc_destinations(indptr, indices.numel()).long()
+    num_edges, heads, channels = src.numel(), x_src.size(-2), x_src.size(-1)
+    # Edges in chunks whose [chunk, H, C] temporaries hold about E x H elements (at least 4096
+    # edges): memory O(E x H), the same arithmetic as one pass.
+    step = max(1, min(num_edges, max(num_edges // max(channels, 1), 4096)))
+    keep = mask.to(acc) * dropout_scale if mask is not None else None
+
+    def z_of(lo, hi):
+        s, d = src[lo:hi], dst[lo:hi]
+        z = xs.index_select(0, s) + xd.index_select(0, d)
+        if ea_a is not None:
+            z = z + _edge_term(ea_a[lo:hi], w_a)
+        tz = None
+        for t, idx in ((t_xs, s), (t_xd, d)):
+            if t is not None:
+                g = t.index_select(0, idx)
+                tz = g if tz is None else tz + g
+        if t_ea is not None:
+            g = _edge_term(t_ea[lo:hi], w_a)
+            tz = g if tz is None else tz + g
+        if t_w is not None:
+            g = _edge_term(ea_a[lo:hi], t_w)
+            tz = g if tz is None else tz + g
+        return z, tz
+
+    # pass 1: alpha and the score tangents ts[e,h] = d s[e,h]
+    alpha_parts, ts_parts = [], []
+    for lo in range(0, num_edges, step):
+        hi = min(lo + step, num_edges)
+        z, tz = z_of(lo, hi)
+        lr = F.leaky_relu(z, negative_slope)
+        alpha_parts.append(torch.exp((lr * att_a).sum(-1) - lse.index_select(0, dst[lo:hi])))
+        ts = torch.zeros_like(alpha_parts[-1])
+        if tz is not None:
+            slope = _leaky_slope(z, negative_slope)
+            ts = ts + (att_a * slope * tz).sum(-1)
+        if t_att is not None:
+            ts = ts + (t_att * lr).sum(-1)
+        ts_parts.append(ts)
+    alpha = torch.cat(alpha_parts) if alpha_parts else lse.new_zeros((0, heads))
+    ts = torch.cat(ts_parts) if ts_parts else alpha
+    dbar = torch.zeros_like(lse).index_add(0, dst, alpha * ts)
+    t_alpha = alpha * (ts - dbar.index_select(0, dst))
+    if keep is not None:
+        t_alpha, alpha = t_alpha * keep, alpha * keep
+    # pass 2: t_out = sum_e t_alpha x_src[j] + alpha t_x_src[j]
+    t_out = torch.zeros((x_dst.size(0), heads, channels), dtype=acc, device=x_src.device)
+    for lo in range(0, num_edges, step):
+        hi = min(lo + step, num_edges)
+        s, d = src[lo:hi], dst[lo:hi]
+        msg = t_alpha[lo:hi].unsqueeze(-1) * xs.index_select(0, s)
+        if t_xs is not None:
+            msg = msg + alpha[lo:hi].unsqueeze(-1) * t_xs.index_select(0, s)
+        t_out = t_out.index_add(0, d, msg)
+    return t_out.to(x_src.dtype), (t_alpha.to(x_src.dtype) if want_alpha else None)
 
 
 # ---------------------------------------------------------------------------- public API
@@ -384,11 +414,6 @@ def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout):
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
-@torch.compiler.disable
-def _apply_eagerly(*args):
-    return GATv2AttentionFunction.apply(*args)
-
-
 def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor, graph: BipartiteCSC,
                     negative_slope: float = 0.2, edge_attr: Optional[torch.Tensor] = None,
                     edge_weight: Optional[torch.Tensor] = None, dropout: float = 0.0,
@@ -432,22 +457,34 @@ def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor,
     if training and dropout > 0.0:
         mask = torch.rand((graph.num_edges, heads), device=x_src.device) >= dropout
         scale = 1.0 / (1.0 - dropout)
-    grad_inputs = (x_src, x_dst, att, edge_attr, edge_weight)
-    want_reverse = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in grad_inputs)
+    diff = (x_src, x_dst, att, ea, edge_weight)
+    compiling = torch.compiler.is_compiling()
+    # (GATv2's jvp, composite in chunks, has no batching rule under jacrev(jacfwd(f)).)
+    how = route([t for t in diff if t is not None], compiling, reverse_over_forward=False)
+    if how == COMPOSITE:
+        _prepare_graph(graph, reverse=False, inverse=bool(return_attention))
+        out, alpha = _gatv2_composite(*diff, graph, mask, float(negative_slope), scale)
+        return (out, graph.original_order(alpha)) if return_attention else out
+    want_reverse = torch.is_grad_enabled() and (
+        compiling or any(t is not None and t.requires_grad for t in diff))
     rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
     rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)
-    args = (x_src, x_dst, att, ea, edge_weight, graph.indptr, graph.indices, *rev_tensors, mask,
-            float(negative_slope), float(scale), bool(return_attention))
-    if not torch.compiler.is_compiling():
-        out, _, alpha = GATv2AttentionFunction.apply(*args)
-    elif any(forward_ad.unpack_dual(t).tangent is not None for t in grad_inputs if t is not None):
-        # Dynamo ignores a Function's jvp and differentiates its forward, whose op has no
-        # forward-mode formula: the tangent would come out zero. Run this call eagerly instead
-        # (a graph break; torch.compile(fullgraph=True) raises here).
-        out, _, alpha = _apply_eagerly(*args)
+    tail = (graph.indptr, graph.indices, *rev_tensors, mask, float(negative_slope), float(scale),
+            bool(return_attention))
+    if not compiling:
+        out, _, alpha = GATv2AttentionFunction.apply(*diff, *tail)
+    elif how == FUSED_JVP:
+        # Dynamo does not call a Function's jvp (see _transforms): the tangents come from the
+        # same JVP code here, the primal from the first-order Function.
+        primals, tangents = split_duals(diff)
+        out, lse, alpha = _GATv2AttentionFirstOrder.apply(*primals, *tail)
+        t_out, t_alpha = _gatv2_jvp(tangents, *primals, graph.indptr, graph.indices, mask, lse,
+                                    float(negative_slope), float(scale), bool(return_attention))
+        out = join_dual(out, t_out)
+        alpha = join_dual(alpha, t_alpha) if return_attention else alpha
     else:
         # Dynamo cannot trace a Function that defines jvp: compiled code gets the first-order one.
-        out, _, alpha = _GATv2AttentionFirstOrder.apply(*args)
+        out, _, alpha = _GATv2AttentionFirstOrder.apply(*diff, *tail)
     if return_attention:
         return out, graph.original_order(alpha)
     return out

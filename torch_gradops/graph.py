@@ -143,9 +143,12 @@ class BipartiteCSC:
         """Reorder a per-edge tensor from CSC order back to the original edge order."""
         if self.perm is None:
             return values
-        if self._inv_perm is None:
-            self._inv_perm = torch.argsort(self.perm).to(self.dtype)
-        return values.index_select(0, self._inv_perm)
+        inv = self._inv_perm
+        if inv is None:
+            inv = torch.argsort(self.perm).to(self.dtype)
+            if not torch.compiler.is_compiling():  # a traced tensor must not outlive its trace
+                self._inv_perm = inv
+        return values.index_select(0, inv)
 
     def to(self, device) -> "BipartiteCSC":
         """A copy on ``device`` (the reverse index moves along if it was built)."""

@@ -20,6 +20,7 @@ from typing import List, Optional
 
 import torch
 
+from .._transforms import COMPOSITE, FUSED_JVP, join_dual, route, split_duals
 from ..library import ops
 from .parser import apply_steps
 
@@ -226,13 +227,63 @@ def _mode(plan, eff, group) -> str:
     return PLAIN
 
 
+def _composite(plan, eff, group) -> torch.Tensor:
+    """The whole contraction in ``torch.einsum`` steps along the plan's path, unsliced: what
+    nested forward mode and torch.compile over reverse-mode or vmap transforms run (see
+    :mod:`torch_gradops._transforms`); PyTorch differentiates it in every mode. It holds the
+    unsliced intermediates: ``memory_limit`` does not bound it."""
+    if len(group) != plan.num_slices:
+        raise NotImplementedError(
+            "a partial slice group under nested forward-mode AD or under torch.compile of a torch.func "
+            "transform is not supported; contract all slices (slices=None) there")
+    net = plan.network
+    tensors, modes = list(eff), [list(m) for m in net.inputs]
+    for step in plan.path:
+        picked = sorted(step, reverse=True)
+        ts = [tensors.pop(k) for k in picked]
+        ms = [modes.pop(k) for k in picked]
+        keep = set(net.output).union(*map(set, modes))
+        kept = list(dict.fromkeys(m for mm in ms for m in mm if m in keep))
+        tensors.append(_einsum(ts, ms, kept))
+        modes.append(kept)
+    return _einsum(tensors, modes, list(net.output))
+
+
+def _einsum(tensors, modes, out_modes) -> torch.Tensor:
+    """torch.einsum in sublist form, the modes renumbered from 0 (it takes at most 52)."""
+    ids = {m: i for i, m in enumerate(dict.fromkeys(m for mm in modes for m in mm))}
+    args = []
+    for t, mm in zip(tensors, modes):
+        args += [t, [ids[m] for m in mm]]
+    return torch.einsum(*args, [ids[m] for m in out_modes])
+
+
+def _traced(plan, operands, group) -> torch.Tensor:
+    """Under torch.compile: the contraction through the Function Dynamo traces when an operand
+    requires grad (Dynamo inlines a Function's forward otherwise), else the op itself."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
+        return _TraceableContract.apply(plan, group, PLAIN, *operands)[0]
+    return _forward(plan, operands, group)
+
+
 def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     """Contract preprocessed operands ``eff`` over a slice group, through the autograd Function
     when a gradient, forward AD or a torch.func transform may need it."""
-    grad = _needs_function(eff)
     group = plan.slice_set.group(slices)
     if len(group) == 0:  # empty slice group
         return eff[0].new_zeros(plan.output_shape)
+    how = route(eff, torch.compiler.is_compiling(), vmap_traceable=False)
+    if how == COMPOSITE:
+        return _composite(plan, eff, group)
+    if how == FUSED_JVP:  # compiled forward mode: the tangent is a sum of contractions
+        primals, tangents = split_duals(eff)
+        tangent = None
+        for i, t in enumerate(tangents):
+            if t is not None:
+                part = _traced(plan, primals[:i] + [t.to(primals[i].dtype)] + primals[i + 1:], group)
+                tangent = part if tangent is None else tangent + part
+        return join_dual(_traced(plan, primals, group), tangent)
+    grad = _needs_function(eff)
     if progress and len(group) > 1:
         from tqdm.auto import tqdm
         # about 100 parts (one op call each at least): a live bar at low overhead
@@ -249,7 +300,7 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     if not grad:
         return _forward(plan, eff, group)
     if torch.compiler.is_compiling():
-        return _TraceableContract.apply(plan, group, PLAIN, *eff)[0]
+        return _traced(plan, eff, group)
     return ContractFunction.apply(plan, group, _mode(plan, eff, group), *eff)[0]
 
 

@@ -1,0 +1,92 @@
+"""How the fused ops run under torch.func transforms and ``torch.compile``.
+
+Eager code differentiates through each op's autograd Function: its ``backward``, ``jvp`` and
+``vmap`` rules. Two cases cannot use those rules, and the public wrappers route them:
+
+* **Nested forward mode** (``jacfwd(jacfwd(f))``, ``jvp`` of a ``jvp``): torch.func runs a
+  Function's ``jvp`` with forward gradients of the enclosing levels turned off, so the
+  second-order tangent of any custom ``jvp`` comes out zero, silently. With two or more
+  forward levels the wrappers compute with plain PyTorch ops instead (:data:`COMPOSITE`):
+  exact at every order, at the memory of the unfused formulation.
+* **torch.compile**: Dynamo does not call a Function's ``jvp`` (it differentiates the
+  forward, whose custom op has no forward-mode formula; ``torch.library`` cannot register one)
+  and cannot trace a Function's custom ``vmap`` rule or a vmapped reverse mode. Under
+  ``torch.compile`` the wrappers use the first-order Function (fused forward and backward
+  kernels) with no transform (``loss.backward()``) and under ``vmap``; with one forward level
+  on top (``jvp``, ``jacfwd``, dual tensors) they take the dual inputs apart themselves
+  (:data:`FUSED_JVP`: primal by the first-order Function, tangent by the same fused JVP code
+  as the eager ``jvp``, joined with ``make_dual``); under reverse-mode transforms (``grad``,
+  ``jacrev``, ``hessian``, ``vmap(grad)``) and nested forward mode they are
+  :data:`COMPOSITE`, which Dynamo traces like any PyTorch code (Dynamo traces a Function
+  inside ``grad`` only when it sees every input wrapped, and never a vmapped backward).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch.autograd import forward_ad
+
+__all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "route", "split_duals", "join_dual"]
+
+FUNCTION, FUSED_JVP, COMPOSITE = "function", "fused_jvp", "composite"
+
+
+def transform_keys() -> Tuple:
+    """The torch.func transforms around this call (``TransformType``), innermost first. Dynamo
+    traces this (it evaluates the interpreter stack at trace time)."""
+    from torch._functorch.pyfunctorch import coerce_cinterpreter
+    if not torch._C._are_functorch_transforms_active():
+        return ()
+    interp = coerce_cinterpreter(torch._C._functorch.peek_interpreter_stack())
+    if interp.level() <= 1:  # the outermost (under Dynamo, peek's None below it is not None)
+        return (interp.key(),)
+    with interp.lower():
+        return (interp.key(),) + transform_keys()
+
+
+def _has_tangent(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
+    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def route(tensors: Sequence[Optional[torch.Tensor]], compiling: bool, vmap_traceable: bool = True,
+          reverse_over_forward: bool = True) -> str:
+    """How a wrapper runs its op on ``tensors`` (see the module docstring). ``vmap_traceable``:
+    whether Dynamo can trace the first-order Function under ``vmap`` (a generated vmap rule
+    over ops with registered batching rules: the GAT ops; not the contraction's custom rule).
+    ``reverse_over_forward``: whether the Function's ``jvp`` may run under an enclosing
+    reverse-mode transform (``jacrev(jacfwd(f))``); if not, that case is composite too."""
+    from torch._C._functorch import TransformType
+    keys = transform_keys()
+    jvps = sum(1 for k in keys if k == TransformType.Jvp)
+    if jvps >= 2:
+        return COMPOSITE
+    if not compiling:
+        if not reverse_over_forward and jvps == 1 and TransformType.Grad in keys[keys.index(TransformType.Jvp):]:
+            return COMPOSITE
+        return FUNCTION
+    grads = sum(1 for k in keys if k == TransformType.Grad)
+    vmaps = sum(1 for k in keys if k == TransformType.Vmap)
+    if jvps == 0 and not keys and forward_ad._current_level >= 0 and _has_tangent(tensors):
+        return FUSED_JVP  # dual tensors of a plain forward_ad.dual_level()
+    if jvps == 1 and keys[0] == TransformType.Jvp and grads == 0 and (vmap_traceable or vmaps == 0):
+        return FUSED_JVP
+    if jvps == 0 and grads == 0 and (vmaps == 0 or vmap_traceable):
+        return FUNCTION
+    return COMPOSITE
+
+
+def split_duals(tensors: Sequence[Optional[torch.Tensor]]):
+    """``(primals, tangents)`` of ``tensors`` at the current forward level (None stays None;
+    a tensor without a tangent has tangent None)."""
+    primals, tangents = [], []
+    for t in tensors:
+        p, tt = (None, None) if t is None else forward_ad.unpack_dual(t)
+        primals.append(p)
+        tangents.append(tt)
+    return primals, tangents
+
+
+def join_dual(primal: torch.Tensor, tangent: Optional[torch.Tensor]) -> torch.Tensor:
+    """``primal`` with ``tangent`` attached at the current forward level."""
+    return primal if tangent is None else forward_ad.make_dual(primal, tangent)
