@@ -596,6 +596,35 @@ def _transform_cases(tangents, argnum=1):
 TRANSFORMS = list(_transform_cases(()).keys())
 
 
+def assert_nested_forward_mode_matches(ours, ref, inputs, argnum, transforms):
+    """jvp of jvp along random directions, and each of ``transforms`` (names in
+    :func:`_transform_cases`), of ``ours`` equal those of ``ref`` w.r.t. input ``argnum``."""
+    gen = torch.Generator().manual_seed(3)
+    t, u = (torch.randn(inputs[argnum].shape, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    def jvp_jvp(fn):
+        def only(a):
+            return fn(*inputs[:argnum], a, *inputs[argnum + 1:])
+        return jvp(lambda a: jvp(only, (a,), (t,))[1], (inputs[argnum],), (u,))[1]
+    assert_trees_close(jvp_jvp(ours), jvp_jvp(ref))
+    cases = _transform_cases(tuple(torch.ones_like(x) for x in inputs), argnum)
+    for name in transforms:
+        assert_trees_close(cases[name](ours)(*inputs), cases[name](ref)(*inputs))
+
+
+def assert_compiled_transform_matches(transform, inputs, fns_of):
+    """torch.compile(fullgraph=True) of ``transform`` over ours equals it over the reference,
+    with and without attention (``fns_of(return_attention) -> (ours, ref)``)."""
+    gen = torch.Generator().manual_seed(4)
+    tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in inputs)
+    make = _transform_cases(tangents)[transform]
+    for return_attention in (False, True):
+        ours, ref = fns_of(return_attention)
+        torch._dynamo.reset()
+        got = torch.compile(make(ours), fullgraph=True, backend="aot_eager")(*inputs)
+        assert_trees_close(got, make(ref)(*inputs))
+
+
 @pytest.mark.parametrize("return_attention", [False, True])
 @pytest.mark.parametrize("argnum", [0, 1, 2, 3])
 def test_nested_forward_mode_matches_reference(argnum, return_attention):
@@ -604,17 +633,7 @@ def test_nested_forward_mode_matches_reference(argnum, return_attention):
     runs as plain PyTorch ops, exact at every order."""
     ei, nd, graph, inputs = graph_and_inputs(heads=2, channels=3, seed=41)
     ours, ref = ours_fn(graph, return_attention), ref_fn(ei, nd, return_attention)
-    gen = torch.Generator().manual_seed(3)
-    t, u = (torch.randn(inputs[argnum].shape, generator=gen, dtype=torch.float64) for _ in range(2))
-
-    def only(fn):
-        return lambda a: fn(*inputs[:argnum], a, *inputs[argnum + 1:])
-
-    def jvp_jvp(fn):
-        return jvp(lambda a: jvp(only(fn), (a,), (t,))[1], (inputs[argnum],), (u,))[1]
-    assert_trees_close(jvp_jvp(ours), jvp_jvp(ref))
-    cases = _transform_cases(tuple(torch.ones_like(x) for x in inputs), argnum)
-    assert_trees_close(cases["jacfwd_of_jacfwd"](ours)(*inputs), cases["jacfwd_of_jacfwd"](ref)(*inputs))
+    assert_nested_forward_mode_matches(ours, ref, inputs, argnum, ["jacfwd_of_jacfwd"])
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -625,14 +644,7 @@ def test_torch_compile_fullgraph_traces_every_transform(transform):
     transforms and nested forward mode (torch_gradops._transforms)."""
     ei, nd, graph, inputs = graph_and_inputs(heads=2, channels=3, seed=29)
     graph.reverse_index()
-    gen = torch.Generator().manual_seed(4)
-    tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in inputs)
-    make = _transform_cases(tangents)[transform]
-    for return_attention in (False, True):
-        ours, ref = ours_fn(graph, return_attention), ref_fn(ei, nd, return_attention)
-        torch._dynamo.reset()
-        got = torch.compile(make(ours), fullgraph=True, backend="aot_eager")(*inputs)
-        assert_trees_close(got, make(ref)(*inputs))
+    assert_compiled_transform_matches(transform, inputs, lambda ra: (ours_fn(graph, ra), ref_fn(ei, nd, ra)))
 
 
 def test_graph_caches_built_inside_a_transform_do_not_escape():

@@ -16,7 +16,7 @@ from torch.func import (functional_call, grad, hessian, jacfwd, jacrev, jvp, sta
 
 import torch_gradops as tg
 from gatv2_reference import gatv2_reference
-from test_gat_func import TRANSFORMS, _transform_cases
+from test_gat_func import TRANSFORMS, assert_compiled_transform_matches, assert_nested_forward_mode_matches
 from test_gatv2_attention import make_graph, make_inputs
 
 pyg = pytest.importorskip("torch_geometric")
@@ -285,18 +285,7 @@ def test_nested_forward_mode_matches_reference(argnum, return_attention):
     tangents under torch.func: the op then runs as plain PyTorch ops)."""
     ei, nd, graph, inputs = setup(seed=43)
     ours, ref = ours_fn(graph, return_attention), ref_fn(ei, nd, return_attention)
-    gen = torch.Generator().manual_seed(3)
-    t, u = (torch.randn(inputs[argnum].shape, generator=gen, dtype=torch.float64) for _ in range(2))
-
-    def only(fn):
-        return lambda a: fn(*inputs[:argnum], a, *inputs[argnum + 1:])
-
-    def jvp_jvp(fn):
-        return jvp(lambda a: jvp(only(fn), (a,), (t,))[1], (inputs[argnum],), (u,))[1]
-    assert_trees_close(jvp_jvp(ours), jvp_jvp(ref))
-    cases = _transform_cases(tuple(torch.ones_like(x) for x in inputs), argnum)
-    assert_trees_close(cases["jacfwd_of_jacfwd"](ours)(*inputs), cases["jacfwd_of_jacfwd"](ref)(*inputs))
-    assert_trees_close(cases["jacrev_of_jacfwd"](ours)(*inputs), cases["jacrev_of_jacfwd"](ref)(*inputs))
+    assert_nested_forward_mode_matches(ours, ref, inputs, argnum, ["jacfwd_of_jacfwd", "jacrev_of_jacfwd"])
 
 
 @pytest.mark.parametrize("transform", TRANSFORMS)
@@ -305,11 +294,4 @@ def test_torch_compile_fullgraph_traces_every_transform(transform):
     own ops fail jacrev(jacfwd) of the edge projection under compile, so it is not tried)."""
     ei, nd, graph, inputs = setup(seed=17)
     graph.reverse_index()
-    gen = torch.Generator().manual_seed(4)
-    tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in inputs)
-    make = _transform_cases(tangents)[transform]
-    for return_attention in (False, True):
-        ours, ref = ours_fn(graph, return_attention), ref_fn(ei, nd, return_attention)
-        torch._dynamo.reset()
-        got = torch.compile(make(ours), fullgraph=True, backend="aot_eager")(*inputs)
-        assert_trees_close(got, make(ref)(*inputs))
+    assert_compiled_transform_matches(transform, inputs, lambda ra: (ours_fn(graph, ra), ref_fn(ei, nd, ra)))

@@ -27,7 +27,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "route", "split_duals", "join_dual"]
+__all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "has_tangent", "route", "split_duals",
+           "join_dual"]
 
 FUNCTION, FUSED_JVP, COMPOSITE = "function", "fused_jvp", "composite"
 
@@ -45,11 +46,12 @@ def transform_keys() -> Tuple:
         return (interp.key(),) + transform_keys()
 
 
-def _has_tangent(tensors: Sequence[Optional[torch.Tensor]]) -> bool:
-    return any(t is not None and forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+def has_tangent(t: Optional[torch.Tensor]) -> bool:
+    """Whether ``t`` carries a forward-mode tangent at the current level."""
+    return t is not None and forward_ad.unpack_dual(t).tangent is not None
 
 
-def route(tensors: Sequence[Optional[torch.Tensor]], compiling: bool, vmap_traceable: bool = True,
+def route(tensors: Sequence[Optional[torch.Tensor]], vmap_traceable: bool = True,
           reverse_over_forward: bool = True) -> str:
     """How a wrapper runs its op on ``tensors`` (see the module docstring). ``vmap_traceable``:
     whether Dynamo can trace the first-order Function under ``vmap`` (a generated vmap rule
@@ -61,13 +63,13 @@ def route(tensors: Sequence[Optional[torch.Tensor]], compiling: bool, vmap_trace
     jvps = sum(1 for k in keys if k == TransformType.Jvp)
     if jvps >= 2:
         return COMPOSITE
-    if not compiling:
+    if not torch.compiler.is_compiling():
         if not reverse_over_forward and jvps == 1 and TransformType.Grad in keys[keys.index(TransformType.Jvp):]:
             return COMPOSITE
         return FUNCTION
     grads = sum(1 for k in keys if k == TransformType.Grad)
     vmaps = sum(1 for k in keys if k == TransformType.Vmap)
-    if jvps == 0 and not keys and forward_ad._current_level >= 0 and _has_tangent(tensors):
+    if jvps == 0 and not keys and forward_ad._current_level >= 0 and any(map(has_tangent, tensors)):
         return FUSED_JVP  # dual tensors of a plain forward_ad.dual_level()
     if jvps == 1 and keys[0] == TransformType.Jvp and grads == 0 and (vmap_traceable or vmaps == 0):
         return FUSED_JVP

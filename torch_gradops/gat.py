@@ -25,9 +25,8 @@ from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
-from torch.autograd import forward_ad
 
-from ._transforms import COMPOSITE, FUSED_JVP, join_dual, route, split_duals
+from ._transforms import COMPOSITE, FUSED_JVP, has_tangent, join_dual, route, split_duals
 from .library import check_backend, ops
 from .graph import BipartiteCSC, csc_destinations
 
@@ -464,34 +463,40 @@ def _gat_jvp(t_x, t_asrc, t_adst, t_el, x_src, a_src, a_dst, el, lse, edges: _Ed
     return t_out.to(dtype), (t_alpha.to(dtype) if want_alpha else None)
 
 
-def _segment_softmax(scores: torch.Tensor, dst: torch.Tensor, num_dst: int) -> torch.Tensor:
-    """Softmax of ``scores [E, H]`` over the edges of each destination, in plain PyTorch ops
-    (the shift by each segment's maximum is a constant: the result is renormalised)."""
+def _attend_composite(scores, x_src, graph: BipartiteCSC, src, dst, mask, dropout_scale: float, dtype):
+    """The attention half shared by the GAT and GATv2 composites: softmax of ``scores [E, H]``
+    (CSC order) over each destination's edges, dropout, ``out[i] = sum_e alpha[e] x_src[j]``;
+    ``(out, alpha)`` cast to ``dtype``. The shift by each segment's maximum is a constant (the
+    result is renormalised)."""
+    heads = scores.size(-1)
     index = dst.unsqueeze(-1).expand_as(scores)
-    shift = scores.detach().new_full((num_dst, scores.size(-1)), float("-inf"))
+    shift = scores.detach().new_full((graph.num_dst, heads), float("-inf"))
     shift = shift.scatter_reduce(0, index, scores.detach(), "amax", include_self=True)
     q = torch.exp(scores - shift.index_select(0, dst))
-    return q / q.new_zeros((num_dst, scores.size(-1))).index_add(0, dst, q).index_select(0, dst)
+    alpha = q / q.new_zeros((graph.num_dst, heads)).index_add(0, dst, q).index_select(0, dst)
+    if mask is not None:
+        alpha = alpha * (mask.to(alpha.dtype) * dropout_scale)
+    out = x_src.new_zeros((graph.num_dst,) + tuple(x_src.shape[1:]))
+    out = out.index_add(0, dst, alpha.unsqueeze(-1) * x_src.index_select(0, src))
+    return out.to(dtype), alpha.to(dtype)
+
+
+def _composite_edges(graph: BipartiteCSC):
+    """``(src, dst)`` int64 of each CSC position, for the composites."""
+    return graph.indices.long(), csc_destinations(graph.indptr, graph.num_edges).long()
 
 
 def _gat_composite(x_src, a_src, a_dst, el, graph: BipartiteCSC, mask, negative_slope: float,
                    dropout_scale: float):
     """``(out, alpha)`` (alpha in CSC order) in plain PyTorch ops, differentiable by PyTorch in
     every mode and at every order; holds ``E x H x C`` (see :mod:`._transforms` for when)."""
-    dtype = x_src.dtype
-    acc = _acc_dtype(dtype)
-    x, a_s, a_d = x_src.to(acc), a_src.to(acc), a_dst.to(acc)
-    src = graph.indices.long()
-    dst = csc_destinations(graph.indptr, graph.num_edges).long()
-    z = a_s.index_select(0, src) + a_d.index_select(0, dst)
+    acc = _acc_dtype(x_src.dtype)
+    src, dst = _composite_edges(graph)
+    z = a_src.to(acc).index_select(0, src) + a_dst.to(acc).index_select(0, dst)
     if el is not None:
         z = z + el.to(acc)
-    alpha = _segment_softmax(F.leaky_relu(z, negative_slope), dst, graph.num_dst)
-    if mask is not None:
-        alpha = alpha * (mask.to(acc) * dropout_scale)
-    out = x.new_zeros((graph.num_dst,) + tuple(x.shape[1:]))
-    out = out.index_add(0, dst, alpha.unsqueeze(-1) * x.index_select(0, src))
-    return out.to(dtype), alpha.to(dtype)
+    return _attend_composite(F.leaky_relu(z, negative_slope), x_src.to(acc), graph, src, dst, mask,
+                             dropout_scale, x_src.dtype)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -709,10 +714,6 @@ def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
         raise ValueError(f"dropout must be in [0, 1), got {dropout}")
 
 
-def _has_tangent(t: torch.Tensor) -> bool:
-    return forward_ad.unpack_dual(t).tangent is not None
-
-
 def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor, graph: BipartiteCSC,
                   negative_slope: float = 0.2, edge_logits: Optional[torch.Tensor] = None,
                   dropout: float = 0.0, training: bool = False, return_attention: bool = False
@@ -749,7 +750,7 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
         scale = 1.0 / (1.0 - dropout)
     grad_inputs = [t for t in (x_src, a_src, a_dst, edge_logits) if t is not None]
     compiling = torch.compiler.is_compiling()
-    how = route(grad_inputs, compiling)
+    how = route(grad_inputs)
     if how == COMPOSITE:
         _prepare_graph(graph, reverse=False, inverse=bool(return_attention))
         out, alpha = _gat_composite(x_src, a_src, a_dst, el, graph, mask, float(negative_slope), scale)
@@ -758,7 +759,7 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
     # have its tangent's graph differentiated later (jacrev over jvp), so it gets one too. Under
     # torch.compile requires_grad does not show through torch.func transforms: always built.
     want_reverse = torch.is_grad_enabled() and (
-        compiling or any(t.requires_grad or _has_tangent(t) for t in grad_inputs))
+        compiling or any(t.requires_grad or has_tangent(t) for t in grad_inputs))
     rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
     rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)
     tail = (graph.indptr, graph.indices, *rev_tensors, mask, float(negative_slope), float(scale),

@@ -20,9 +20,9 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-
 from ._transforms import COMPOSITE, FUSED_JVP, join_dual, route, split_duals
-from .gat import _fold_heads, _prepare_graph, _segment_softmax, _unfold_heads, _vmap_per_item
+from .gat import (_attend_composite, _composite_edges, _fold_heads, _prepare_graph, _unfold_heads,
+                  _vmap_per_item)
 from .graph import BipartiteCSC, csc_destinations
 from .library import check_backend, ops
 
@@ -168,21 +168,15 @@ def _gatv2_composite(x_src, x_dst, att, edge_attr, edge_weight, graph: Bipartite
                      dropout_scale: float):
     """``(out, alpha)`` (alpha in CSC order; ``edge_attr`` in CSC order) in plain PyTorch ops,
     differentiable by PyTorch in every mode and at every order; holds ``E x H x C`` (see
-    :mod:`.._transforms` for when it runs)."""
-    dtype = x_src.dtype
-    acc = _acc_dtype(dtype)
-    xs, xd, att_a = x_src.to(acc), x_dst.to(acc), att.to(acc)
-    src = graph.indices.long()
-    dst = csc_destinations(graph.indptr, graph.num_edges).long()
-    z = xs.index_select(0, src) + xd.index_select(0, dst)
+    :mod:`._transforms` for when it runs)."""
+    acc = _acc_dtype(x_src.dtype)
+    xs = x_src.to(acc)
+    src, dst = _composite_edges(graph)
+    z = xs.index_select(0, src) + x_dst.to(acc).index_select(0, dst)
     if edge_attr is not None:
         z = z + _edge_term(edge_attr.to(acc), None if edge_weight is None else edge_weight.to(acc))
-    alpha = _segment_softmax((F.leaky_relu(z, negative_slope) * att_a).sum(-1), dst, graph.num_dst)
-    if mask is not None:
-        alpha = alpha * (mask.to(acc) * dropout_scale)
-    out = xs.new_zeros((graph.num_dst,) + tuple(xs.shape[1:]))
-    out = out.index_add(0, dst, alpha.unsqueeze(-1) * xs.index_select(0, src))
-    return out.to(dtype), alpha.to(dtype)
+    scores = (F.leaky_relu(z, negative_slope) * att.to(acc)).sum(-1)
+    return _attend_composite(scores, xs, graph, src, dst, mask, dropout_scale, x_src.dtype)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -460,7 +454,7 @@ def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor,
     diff = (x_src, x_dst, att, ea, edge_weight)
     compiling = torch.compiler.is_compiling()
     # (GATv2's jvp, composite in chunks, has no batching rule under jacrev(jacfwd(f)).)
-    how = route([t for t in diff if t is not None], compiling, reverse_over_forward=False)
+    how = route([t for t in diff if t is not None], reverse_over_forward=False)
     if how == COMPOSITE:
         _prepare_graph(graph, reverse=False, inverse=bool(return_attention))
         out, alpha = _gatv2_composite(*diff, graph, mask, float(negative_slope), scale)

@@ -272,7 +272,7 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     group = plan.slice_set.group(slices)
     if len(group) == 0:  # empty slice group
         return eff[0].new_zeros(plan.output_shape)
-    how = route(eff, torch.compiler.is_compiling(), vmap_traceable=False)
+    how = route(eff, vmap_traceable=False)
     if how == COMPOSITE:
         return _composite(plan, eff, group)
     if how == FUSED_JVP:  # compiled forward mode: the tangent is a sum of contractions
