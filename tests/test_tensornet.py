@@ -819,6 +819,88 @@ def test_path_cache_on_disk_and_deterministic_search(tmp_path):
         assert [tuple(x) for x in path] == p.path and tuple(sliced) == p.sliced_modes
 
 
+def _tree_of(path, n):
+    """The contraction tree of a linear path: per step the frozenset of operands it joins."""
+    live = [frozenset([i]) for i in range(n)]
+    out = set()
+    for a, b in path:
+        x, y = live.pop(max(a, b)), live.pop(min(a, b))
+        live.append(x | y)
+        out.add(x | y)
+    return out
+
+
+def test_heavy_last_schedule_keeps_the_tree_and_cuts_recomputation():
+    """paths.heavy_last reorders a path's steps (depth first, the heavier subtree of each step
+    last): the same contraction tree, so the same values; under a memory limit the planner's
+    backward then recomputes less (the executor recomputes the steps before the last checkpoint)."""
+    from torch_gradops.tensornet import paths, slicer
+    rng = random.Random(3)
+    for _ in range(20):
+        n = rng.randint(2, 12)
+        path, k = [], n
+        while k > 1:
+            a, b = rng.sample(range(k), 2)
+            path.append((min(a, b), max(a, b)))
+            k -= 1
+        weight = [rng.randint(1, 100) for _ in path]
+        new = paths.heavy_last(path, n, weight)
+        assert len(new) == len(path) and _tree_of(new, n) == _tree_of(path, n)
+        assert paths.check_path(new, n) == new
+    # the 5x5 lattice of bond 16 on opt_einsum's greedy tree, scheduled heavy-last and heavy-first
+    inputs, output, arrays = lattice_network(5, 5, 16, seed=0)
+    sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+    n = len(inputs)
+    tree = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+    macs = slicer.step_costs(slicer.step_table(inputs, output, tree), sizes, ()).macs
+    last, first = paths.heavy_last(tree, n, macs), paths.heavy_last(tree, n, [-m for m in macs])
+    assert _tree_of(last, n) == _tree_of(first, n) == _tree_of(tree, n)
+    for frac in (0.8, 0.6):
+        recomputed = []
+        for path in (last, first):
+            costs = slicer.step_costs(slicer.step_table(inputs, output, path), sizes, ())
+            cap = frac * slicer.memory_model(costs)
+            peak, _, rec = slicer.place_checkpoints(costs, cap)
+            assert peak <= cap
+            recomputed.append(rec / costs.flops())
+        assert recomputed[0] < 0.75 * recomputed[1], recomputed
+    small = [torch.randn(2, 2, 3, dtype=F64), torch.randn(3, 2, dtype=F64), torch.randn(2, 2, dtype=F64)]
+    order = [(0, 1), (0, 1)]
+    _close(tn.contract("abc,cd,db->a", *small, optimize=paths.heavy_last(order, 3, [1, 5])),
+           torch.einsum("abc,cd,db->a", *small))
+
+
+def test_search_budget_counts_trials_and_follows_the_best_plan():
+    """The default search runs at least a few trials (fewer when the contraction is worth less),
+    then more only while the trials cost less than a fraction of the best plan's estimated time:
+    milliseconds of contraction are not searched for seconds, hours are searched up to the cap.
+    Trials, not seconds, are counted: the decision is deterministic."""
+    from torch_gradops.tensornet import paths
+    assert paths.search_budget(36, 1e3)["min_repeats"] < 2  # worth no search: opt_einsum's greedy path
+    b = paths.search_budget(36, 1e12)
+    assert b["min_repeats"] == paths.MIN_TRIALS and b["max_repeats"] == 32
+    assert not paths.wants_more(36, paths.MIN_TRIALS, 1e9)
+    assert paths.wants_more(36, paths.MIN_TRIALS, 1e12)
+    assert not paths.wants_more(36, 10**4, 1e15)  # at most MAX_SEARCH_S worth
+    inputs, output, _ = lattice_network(3, 3, 4, seed=0)
+    sym = {m: opt_einsum.get_symbol(m) for t in inputs for m in t}
+    c_in = [[sym[m] for m in t] for t in inputs]
+    sizes = {s: 4 for s in sym.values()}
+    calls = []
+
+    def more(trials):
+        calls.append(trials)
+        return trials < 10
+    opt = paths.BudgetedHyperOptimizer(min_repeats=5, more=more, max_repeats=32, methods=["greedy"],
+                                       progbar=False, parallel=False)
+    opt.search(c_in, [], sizes)
+    assert len(opt.scores) == 5 + 2 * paths.BATCH and calls == [5, 5 + paths.BATCH, 5 + 2 * paths.BATCH]
+    opt = paths.BudgetedHyperOptimizer(min_repeats=3, more=lambda t: True, max_repeats=6, methods=["greedy"],
+                                       progbar=False, parallel=False)
+    opt.search(c_in, [], sizes)
+    assert len(opt.scores) == 6 and opt.max_repeats == 6
+
+
 # ---------------------------------------------------------------------------- validation
 def test_validation_errors():
     a, b = torch.randn(2, 3), torch.randn(3, 4)

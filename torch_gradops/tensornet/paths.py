@@ -5,15 +5,18 @@ A path is opt_einsum's linear format: a list of pairs of positions in the curren
 the pair's result goes to the end of the list.
 
 ``optimize="auto"``: networks of up to :data:`SMALL` operands take opt_einsum's choice (exact or
-branch-and-bound; milliseconds). Larger ones first get opt_einsum's greedy path, whose cost sets
-the search budget (:func:`search_budget`: about a quarter of the estimated forward + backward
-time, at most 2 s, so a contraction of milliseconds is not searched for seconds); with a budget
-of two trials or more, a ``cotengra.HyperOptimizer`` search over greedy trees, each sliced by
-cotengra to the memory limit and to fractions of it down to 1/256 (as the budget allows), scored
-by :class:`PlanObjective`: the executor's forward + backward work of the sliced tree, with the
-backward's recomputation and a charge for any further slicing its memory model needs. The
-search is seeded (:data:`SEED`) and its budget counts trials, not seconds, so it is
-deterministic: every rank of a process group finds the same plan.
+branch-and-bound; milliseconds). Larger ones first get opt_einsum's greedy path, an upper bound
+of the contraction's cost: when even that is worth less than two trials of search
+(:func:`search_budget`) it is the path. Otherwise a ``cotengra.HyperOptimizer`` search over
+greedy trees, each sliced by cotengra to the memory limit (and, with 16 trials or more, a second
+search to 1/4 of it), scored by :class:`PlanObjective`: the executor's forward + backward work
+of the sliced tree, with the backward's recomputation and a charge for any further slicing its
+memory model needs. The search runs :data:`MIN_TRIALS` trials, then more, :data:`BATCH` at a
+time, while they cost less than :data:`SEARCH_FRACTION` of the best plan's estimated time
+(:func:`wants_more`; at most 32 trials), so a contraction of milliseconds is not searched for
+seconds. The search is seeded (:data:`SEED`) and its budget counts trials, not seconds, so it
+is deterministic: every rank of a process group finds the same plan. The planner then
+schedules the chosen tree's steps heavy subtree last (:func:`heavy_last`).
 
 An opt-in on-disk cache of searched paths (cotengra's ``ReusableHyperOptimizer``), keyed by the
 network and the options that shape the path, lets a new process skip the search: pass
@@ -33,13 +36,14 @@ import cotengra
 import opt_einsum
 from cotengra.scoring import FlopsObjective
 
-__all__ = ["PathResult", "find_path", "check_path", "search_budget", "PlanObjective", "SMALL", "SEED",
+__all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget", "wants_more",
+           "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
            "PATH_CACHE_ENV", "symbols"]
 
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 2   # bump when the search or its scoring changes: old cached paths are ignored
+_CACHE_VERSION = 3   # bump when the search or its scoring changes: old cached paths are ignored
 
 
 @dataclass(frozen=True)
@@ -59,22 +63,69 @@ def symbols(sizes):
     return {m: opt_einsum.get_symbol(m) for m in sizes}
 
 
-NOMINAL_FLOP_RATE = 5e10  # FLOP/s assumed by the search budget (a constant: the budget must not depend on timing)
-SEARCH_FRACTION = 0.25    # of the estimated forward + backward time, at most MAX_SEARCH_S
+NOMINAL_FLOP_RATE = 1e11  # FLOP/s assumed by the search budget (a constant: the budget must not depend on timing)
+SEARCH_FRACTION = 0.1     # of the estimated forward + backward time, at most MAX_SEARCH_S
 MAX_SEARCH_S = 2.0
 TRIAL_S_PER_OPERAND = 5e-4  # about what one greedy trial, sliced and scored, costs per operand
+MIN_TRIALS = 8            # trials of every search (cotengra's greedy trials vary a lot)
+BATCH = 4                 # further trials are run this many at a time
+
+
+def _trials_worth(n_operands: int, flops: float) -> int:
+    """Trials worth :data:`SEARCH_FRACTION` of a contraction of ``flops`` (forward + backward,
+    real FLOPs) at :data:`NOMINAL_FLOP_RATE`, at most :data:`MAX_SEARCH_S` seconds."""
+    budget_s = min(MAX_SEARCH_S, SEARCH_FRACTION * flops / NOMINAL_FLOP_RATE)
+    return int(budget_s / (TRIAL_S_PER_OPERAND * n_operands))
 
 
 def search_budget(n_operands: int, flops: float) -> dict:
     """The hyper-search's budget for a network of ``n_operands`` tensors whose greedy path
-    costs ``flops`` (forward, real FLOPs): trials worth about a quarter of the estimated forward
-    + backward time at :data:`NOMINAL_FLOP_RATE` (at most :data:`MAX_SEARCH_S` seconds), so a
-    contraction that takes milliseconds is not searched for seconds, and at most 32 trials (16
-    beyond 64 operands, 4 beyond 256). Depends only on the network: deterministic."""
+    costs ``flops`` (forward, real FLOPs; opt_einsum's greedy path, an upper bound of what the
+    search finds): ``min_repeats`` trials (at most :data:`MIN_TRIALS`, fewer when even that path
+    is worth less search; below 2 no search) and at most ``max_repeats`` (32; 16 beyond 64
+    operands, 4 beyond 256). Between the two, :func:`wants_more` decides from the best plan
+    found so far. Depends only on the network: deterministic."""
     cap = 32 if n_operands <= 64 else 16 if n_operands <= 256 else 4
-    budget_s = min(MAX_SEARCH_S, SEARCH_FRACTION * 3 * flops / NOMINAL_FLOP_RATE)
-    repeats = int(budget_s / (TRIAL_S_PER_OPERAND * n_operands))
-    return {"max_repeats": max(0, min(cap, repeats))}
+    worth = _trials_worth(n_operands, 3 * flops)
+    return {"min_repeats": max(0, min(cap, MIN_TRIALS, worth)), "max_repeats": cap}
+
+
+def wants_more(n_operands: int, trials: int, best_macs: float) -> bool:
+    """Whether a search that ran ``trials`` trials and whose best plan does ``best_macs``
+    multiply-adds (forward + backward, recomputation included) is worth :data:`BATCH` more:
+    while the trials cost less than :data:`SEARCH_FRACTION` of that plan's time at
+    :data:`NOMINAL_FLOP_RATE` (so a contraction of milliseconds is not searched for seconds).
+    Counts trials, not seconds: deterministic."""
+    return trials + BATCH <= _trials_worth(n_operands, 2.0 * best_macs)
+
+
+class BudgetedHyperOptimizer(cotengra.HyperOptimizer):
+    """``cotengra.HyperOptimizer`` that runs ``min_repeats`` trials, then :data:`BATCH` at a time
+    while ``more(trials)`` and fewer than ``max_repeats`` ran."""
+
+    def __init__(self, *, min_repeats: int, more: Callable[[int], bool], **kwargs):
+        super().__init__(**kwargs)
+        self.min_repeats = min_repeats
+        self.more = more
+
+    def search(self, inputs, output, size_dict):
+        cap, done = self.max_repeats, 0
+        try:
+            while True:
+                self.max_repeats = min(cap - done, max(self.min_repeats - done, BATCH))
+                tree = super().search(inputs, output, size_dict)
+                done += self.max_repeats
+                if done >= cap or (done >= self.min_repeats and not self.more(done)):
+                    return tree
+        finally:
+            self.max_repeats = cap
+
+
+class _BudgetedReusable(cotengra.ReusableHyperOptimizer):
+    """The on-disk path cache over :class:`BudgetedHyperOptimizer`."""
+
+    def _get_suboptimizer(self):
+        return BudgetedHyperOptimizer(**self._suboptimizer_kwargs)
 
 
 class PlanObjective(FlopsObjective):
@@ -141,10 +192,10 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
     searched, best, t0 = False, None, time.perf_counter()
     for j, optimizer in enumerate(optimizers):
         if isinstance(optimizer, dict) and cache_dir is not None:
-            opt = cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **optimizer)
+            opt = _BudgetedReusable(directory=os.path.join(cache_dir, str(j)), **optimizer)
             searched |= opt.hash_query(c_in, c_out, c_sizes)[1]
         else:
-            opt = cotengra.HyperOptimizer(**optimizer) if isinstance(optimizer, dict) else optimizer
+            opt = BudgetedHyperOptimizer(**optimizer) if isinstance(optimizer, dict) else optimizer
             searched = True
         tree = _seeded(lambda: opt.search(c_in, c_out, c_sizes))
         value = score(tree) if score is not None and (len(optimizers) > 1 or candidates) else 0.0
@@ -162,17 +213,19 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
                       time.perf_counter() - t0 if searched else 0.0)
 
 
-def hyper_options(budget: dict, limit_elems, min_slices, objective) -> List[dict]:
-    """The ``HyperOptimizer`` options of the default search: without a limit one search; with
-    one, a search slicing to the limit and (given 16 trials or more) one slicing to 1/4 of it:
-    the backward's memory may favour a tree with smaller intermediates (the planner splits
-    modes of the others, :func:`~.slicer.split_to_fit`). The trials are shared between them."""
-    repeats = budget["max_repeats"]
-    base = dict(methods=["greedy"], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED})
+def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callable[[int], bool]) -> List[dict]:
+    """The :class:`BudgetedHyperOptimizer` options of the default search: without a limit one
+    search; with one, a search slicing to the limit and (given 16 trials or more) one slicing
+    to 1/4 of it: the backward's memory may favour a tree with smaller intermediates (the
+    planner splits modes of the others, :func:`~.slicer.split_to_fit`). The trials are shared
+    between them; ``more(trials)``: whether a search goes on past its minimum."""
+    lo, hi = budget["min_repeats"], budget["max_repeats"]
+    base = dict(methods=["greedy"], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED},
+                more=more)
     if limit_elems is None and not min_slices:
-        return [dict(base, max_repeats=repeats)]
+        return [dict(base, min_repeats=lo, max_repeats=hi)]
     out = []
-    divisors = (1, 4) if repeats >= 16 else (1,)
+    divisors = (1, 4) if hi >= 16 else (1,)
     targets = [None] if limit_elems is None else sorted({max(1, int(limit_elems) // d) for d in divisors},
                                                         reverse=True)
     for target in targets:
@@ -181,7 +234,8 @@ def hyper_options(budget: dict, limit_elems, min_slices, objective) -> List[dict
             slicing["target_size"] = target
         if min_slices:
             slicing["target_slices"] = int(min_slices)
-        out.append(dict(base, slicing_opts=slicing, max_repeats=max(1, repeats // len(targets))))
+        out.append(dict(base, slicing_opts=slicing, min_repeats=max(1, lo // len(targets)),
+                        max_repeats=max(1, hi // len(targets))))
     return out
 
 
@@ -212,17 +266,22 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             greedy = [tuple(p) for p in opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output),
                                                                dict(sizes))]
             budget = search_budget(n, _greedy_flops(inputs, output, sizes, greedy))
-            if budget["max_repeats"] < 2:
+            if budget["min_repeats"] < 2:
                 return PathResult(greedy, None, "greedy", True, time.perf_counter() - t0)
             name = "cotengra"
         elif name == "auto":
             name = "auto"
         if name == "cotengra":
-            if budget is None:
-                budget = {"max_repeats": 32 if n <= 64 else 16 if n <= 256 else 4}
+            if budget is None:  # asked for by name: the full search
+                cap = 32 if n <= 64 else 16 if n <= 256 else 4
+                budget = {"min_repeats": cap, "max_repeats": cap}
             obj = PlanObjective(objective) if objective is not None else "flops"
-            opts = hyper_options(budget, limit_elems, min_slices, obj)
-            key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k != "minimize")) for o in opts)
+
+            def more(trials):
+                return isinstance(obj, PlanObjective) and bool(obj.top) and wants_more(n, trials, obj.top[0][0])
+            opts = hyper_options(budget, limit_elems, min_slices, obj, more)
+            key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k not in ("minimize", "more")))
+                        for o in opts)
             return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
                                     score=select, candidates=obj.top if isinstance(obj, PlanObjective) else ())
         try:
@@ -260,3 +319,46 @@ def check_path(path, n) -> List[Tuple[int, int]]:
     if count != 1:
         raise ValueError(f"optimize: explicit path leaves {count} operands; it must contract all {n} into one")
     return out
+
+
+def heavy_last(path, n: int, weight) -> List[Tuple[int, int]]:
+    """The same contraction tree as ``path`` (linear format, ``n`` operands), its steps in
+    depth-first order with, at every step, the operand whose subtree has the larger total
+    ``weight`` (per step of ``path``, e.g. its multiply-adds) computed last.
+
+    Why: the executor's backward recomputes every step before its last checkpoint
+    (:func:`~.slicer.place_checkpoints`), so the later the expensive subtrees come, the less a
+    memory-bounded backward recomputes; the lighter siblings finished first are what a
+    checkpoint then holds."""
+    ids = list(range(n))
+    children = {}
+    for j, (a, b) in enumerate(path):
+        a, b = sorted((a, b), reverse=True)
+        children[n + j] = (ids.pop(a), ids.pop(b))
+        ids.append(n + j)
+    if not children:
+        return []
+    total = {}
+    for v, (a, b) in children.items():  # children are made before their parents
+        total[v] = weight[v - n] + total.get(a, 0) + total.get(b, 0)
+    order, stack = [], [(n + len(path) - 1, False)]
+    while stack:  # post-order, lighter child first
+        v, ready = stack.pop()
+        if ready:
+            order.append(v)
+            continue
+        stack.append((v, True))
+        a, b = children[v]
+        first, last = sorted((a, b), key=lambda c: (total.get(c, 0), c))
+        for c in (last, first):
+            if c in children:
+                stack.append((c, False))
+    new_path, pos, live = [], {}, list(range(n))
+    for v in order:
+        a, b = (live.index(pos.get(c, c)) for c in children[v])
+        new_path.append((min(a, b), max(a, b)))
+        for p in sorted((a, b), reverse=True):
+            live.pop(p)
+        pos[v] = n + len(new_path) - 1
+        live.append(pos[v])
+    return new_path

@@ -2,6 +2,7 @@
 shapes, dtype and device type), :func:`build_plan`, and the plan cache."""
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -304,11 +305,26 @@ class _Slicing:
         self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems
         self._final = {}
 
-    def choose(self, path, suggested=()):
+    def schedule(self, path):
+        """``(path, steps)``: under a limit the path's steps reordered with the heavier subtree
+        of each step last (:func:`~.paths.heavy_last`: less recomputation in a checkpointed
+        backward), and its step table."""
         net = self.network
         steps = slicer.step_table(net.inputs, net.output, path)
+        if self.limit_elems is None or len(path) < 3:
+            return [tuple(p) for p in path], steps
+        macs = slicer.step_costs(steps, net.sizes, ()).macs
+        path = paths.heavy_last(path, len(net.inputs), macs)
+        return path, slicer.step_table(net.inputs, net.output, path)
+
+    def choose(self, path, suggested=()):
+        """``(path, steps, sliced)``: the scheduled path, its steps and the sliced modes that fit
+        the limit (and ``min_slices``)."""
+        net = self.network
+        path, steps = self.schedule(path)
         start = self.forced + [m for m in (suggested or []) if m not in self.forced]
-        return steps, slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices, start)
+        return path, steps, slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices,
+                                                 start)
 
     def _peak_of(self, copies):
         """``costs -> (modelled peak, recomputed multiply-adds)`` with the best checkpoints."""
@@ -333,7 +349,8 @@ class _Slicing:
         return peak, slicer.slicing_work(costs, nslices, recompute)
 
     def finalize(self, path, suggested=(), itemsize=8):
-        """``(steps, sliced, splits, work)`` for a path: sliced to the limit, then, with the
+        """``(path, steps, sliced, splits, work)`` for a path: scheduled (:meth:`schedule`),
+        sliced to the limit, then, with the
         compiled layout's copies in the memory model, split or sliced further while no
         checkpoint placement fits the cap (``splits``: mode -> chunks). ``work``:
         :func:`~.slicer.slicing_work`. Memoised per path (the search's candidates, then the
@@ -342,7 +359,7 @@ class _Slicing:
         if key in self._final:
             return self._final[key]
         net = self.network
-        steps, sliced = self.choose(path, suggested)
+        path, steps, sliced = self.choose(path, suggested)
         splits = {}
         if self.limit_elems is not None:
             peak_of = self._peak_of(_copies(net, path, sliced, itemsize, self.is_complex))
@@ -354,7 +371,7 @@ class _Slicing:
             for m in whole:  # a split mode whose chunks are sliced whole is sliced whole
                 splits.pop(m, None)
             sliced = sliced + whole
-        self._final[key] = (steps, sliced, splits, self._cost(steps, sliced, splits)[1])
+        self._final[key] = (path, steps, sliced, splits, self._cost(steps, sliced, splits)[1])
         return self._final[key]
 
     def work(self, path, suggested=()) -> float:
@@ -363,7 +380,7 @@ class _Slicing:
         layout's copies), with the backward's recomputation; a tree whose modelled memory does
         not fit the cap even with checkpoints is charged (peak / cap)^0.6 on top, about what
         splitting modes in halves until it fits costs."""
-        steps, sliced = self.choose(path, suggested)
+        _, steps, sliced = self.choose(path, suggested)
         splits, sliced = self._chunked(steps, sliced, self._peak_of(None))
         peak, work = self._cost(steps, sliced, splits)
         if self.cap is not None and peak > self.cap:
@@ -413,13 +430,13 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
 
     found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
                             objective=score_tree, path_cache=path_cache, select=select_tree)
-    steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
+    path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
     unsliced_largest = _unsliced_largest(steps, network.sizes)
-    network, sliced, checkpoints, copies = _split_plan_network(network, found.path, sliced, splits, slicing_.cap,
+    network, sliced, checkpoints, copies = _split_plan_network(network, path, sliced, splits, slicing_.cap,
                                                                itemsize, dtype.is_complex)
     plan = ContractionPlan(expr=expr if expr is not None else parser.describe(terms, out),
                            inputs=[tuple(t) for t in terms], output=tuple(out), shapes=shapes, dtype=dtype,
-                           device_type=device_type, network=network, path=found.path, sliced=sliced,
+                           device_type=device_type, network=network, path=path, sliced=sliced,
                            memory_limit=limit, optimizer=found.optimizer, searched=found.searched,
                            checkpoints=checkpoints, copies=copies, search_s=found.search_s)
     if max_overhead is not None and plan.flops > max_overhead * max(plan.unsliced_flops, 1):
@@ -436,10 +453,15 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
 
 def _copies(network, path, sliced, itemsize, is_complex):
     """Per step (copied intermediate input elements, result copied by its reader), from the
-    compiled layout."""
-    _, gemms = compile_program(network.inputs, network.output, network.sizes, path, tuple(sliced), itemsize,
-                               is_complex)
-    return [(g[3], g[4]) for g in gemms]
+    compiled layout (memoised: the planner asks again for the path it chose)."""
+    return _copies_of(tuple(map(tuple, network.inputs)), tuple(network.output), tuple(sorted(network.sizes.items())),
+                      tuple(map(tuple, path)), tuple(sliced), itemsize, is_complex)
+
+
+@functools.lru_cache(maxsize=64)
+def _copies_of(inputs, output, sizes, path, sliced, itemsize, is_complex):
+    _, gemms = compile_program(inputs, output, dict(sizes), path, sliced, itemsize, is_complex)
+    return tuple((g[3], g[4]) for g in gemms)
 
 
 def _unsliced_largest(steps, sizes) -> int:

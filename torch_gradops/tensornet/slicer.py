@@ -117,11 +117,12 @@ class StepCosts:
     __slots__ = ("macs", "result", "inputs", "from_step", "consumer")
 
     def __init__(self, steps, sizes, sliced):
-        size = lambda ms: math.prod(sizes[m] for m in ms if m not in sliced)  # noqa: E731
+        ext = {m: 1 if m in sliced else e for m, e in sizes.items()}
+        prod = math.prod
         n = len(steps)
-        self.macs = [size(allm) for allm, _, _, _ in steps]
-        self.result = [size(res) for _, res, _, _ in steps]
-        self.inputs = [tuple(size(s) for s in sets) for _, _, sets, _ in steps]
+        self.macs = [prod([ext[m] for m in allm]) for allm, _, _, _ in steps]
+        self.result = [prod([ext[m] for m in res]) for _, res, _, _ in steps]
+        self.inputs = [(prod([ext[m] for m in a]), prod([ext[m] for m in b])) for _, _, (a, b), _ in steps]
         self.from_step = [tuple(prods) for _, _, _, prods in steps]
         self.consumer = [n] * n
         for j, prods in enumerate(self.from_step):
@@ -170,7 +171,8 @@ def _segment_items(costs: StepCosts, copies, lo, hi) -> int:
     return held
 
 
-def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None, complex_=False) -> int:
+def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None, complex_=False,
+                 trans: Optional[List[int]] = None) -> int:
     """Elements that one slice's forward + backward holds at most beyond the operands (and
     copies of their slices), the operands' gradient buffers and the output, with a backward
     CHECKPOINT before each step in ``checkpoints``: the model of the executor
@@ -183,12 +185,14 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     and while segment ``s`` is processed the executor holds every intermediate of ``s``, the
     intermediates of earlier segments that later segments read (checkpointed), and one step's
     transients (:func:`_transients`). ``copies``: per step (the steps whose results it copies,
-    whether its result is copied by its reader), from the compiler; None: no copies."""
+    whether its result is copied by its reader), from the compiler; None: no copies.
+    ``trans``: :func:`_transients` when the caller has them."""
     n = len(costs.result)
     if n == 0:
         return 0
     bounds = sorted(set(checkpoints) | {0}) + [n]
-    trans = _transients(costs, copies, complex_)
+    if trans is None:
+        trans = _transients(costs, copies, complex_)
     peak, cross = 0, 0
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
@@ -209,10 +213,10 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     only on the last checkpoint, which goes as early as the memory allows, and the earlier ones
     are placed greedily (each segment as long as the cap allows)."""
     n = len(costs.result)
-    whole = memory_model(costs, (), copies, complex_)
+    trans = _transients(costs, copies, complex_)
+    whole = memory_model(costs, (), copies, complex_, trans)
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0
-    trans = _transients(costs, copies, complex_)
     item = list(costs.result)
     # live(b): intermediates made before step b and read at or after it (all checkpointed)
     consumed_at = [0] * (n + 1)
@@ -235,14 +239,14 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         bounds = _greedy_segments(costs, copies, trans, b, cap)
         if bounds is None:
             continue
-        peak = memory_model(costs, bounds, copies, complex_)
+        peak = memory_model(costs, bounds, copies, complex_, trans)
         if peak <= cap:
             return peak, bounds, prefix_macs
         if peak < best[0]:
             best = (peak, bounds, prefix_macs)
     if best[1] == [] and n > 1:  # nothing fits: the lowest-peak placement (a checkpoint per step)
         every = list(range(1, n))
-        peak = memory_model(costs, every, copies, complex_)
+        peak = memory_model(costs, every, copies, complex_, trans)
         if peak < best[0]:
             best = (peak, every, sum(costs.macs[:-1]))
     return best
@@ -250,22 +254,26 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
 
 def _greedy_segments(costs, copies, trans, last, cap) -> Optional[List[int]]:
     """Boundaries of segments covering steps ``[0, last)`` (each as long as ``cap`` allows) and
-    ``last``; None when a single step does not fit."""
+    ``last``; None when a single step does not fit. Each segment grows step by step with its
+    held elements (:func:`_segment_items`) and largest transient kept as running totals."""
+    result, consumer = costs.result, costs.consumer
     bounds, cross, lo = [], 0, 0
     while lo < last:
-        hi, fit = lo + 1, None
-        while hi <= last:
-            need = cross + _segment_items(costs, copies, lo, hi) + max(trans[lo:hi])
-            if need > cap and hi > lo + 1:
+        held, top, hi, need = 0, 0, lo, 0
+        while hi < last:
+            add = result[hi]
+            if copies is not None:
+                add += sum(result[p] for p in copies[hi][0] if p < lo)
+            n2 = cross + held + add + max(top, trans[hi])
+            if n2 > cap and hi > lo:
                 break
-            fit = (hi, need)
+            held, top, need = held + add, max(top, trans[hi]), n2
             hi += 1
-        hi, need = fit
         if need > cap:
             return None
         if lo:
             bounds.append(lo)
-        cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
+        cross += sum(result[j] for j in range(lo, hi) if consumer[j] >= hi)
         lo = hi
     bounds.append(last)
     return bounds
@@ -401,7 +409,8 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
     ``(splits, whole)`` with ``splits[m]`` the number of chunks mode ``m`` is sliced in (its
     ranges; :func:`~.parser.split_modes`) and ``whole`` the modes sliced index by index.
 
-    Greedy: each round takes the (mode, chunks) that fits with the least work
+    Greedy: each round halves a mode (its smallest divisor of chunks; output modes are
+    sliced whole) and takes the choice that fits with the least work
     (:func:`slicing_work`), or, when none fits yet, the least extra work per memory saved
     (log work ratio over log peak ratio). Output modes are sliced whole only (their chunks
     would be output blocks). Candidates: modes of the larger intermediates. Stops when nothing
@@ -423,7 +432,7 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
         best = None
         for m in cands:
             e = sizes[m]
-            for f in ([e] if m in out else _divisors(e)):  # a split mode may be split again
+            for f in ([e] if m in out else _divisors(e)[:1]):  # halved (a split mode may be split again)
                 s2 = dict(sizes)
                 s2[m] = e // f
                 set2 = sset | {m} if f == e else sset
