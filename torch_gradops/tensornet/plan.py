@@ -394,6 +394,8 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
     if splits:
         network, chunk = parser.split_modes(network, splits)
         sliced = list(sliced) + [chunk[m] for m in sorted(splits)]
+    if cap is None:  # no limit, no checkpoints: the plan's own compilation gives the copies
+        return network, sliced, [], None
     steps = slicer.step_table(network.inputs, network.output, path)
     copies = _copies(network, path, sliced, itemsize, is_complex)
     _, checkpoints, _ = slicer.place_checkpoints(slicer.step_costs(steps, network.sizes, sliced), cap, copies,
