@@ -248,6 +248,12 @@ def configs(quick, only):
     return out
 
 
+def _bytes(n):
+    """Bytes for the tables; '-' where the peak process failed (its error is in the JSON)."""
+    from torch_gradops.testing import format_bytes
+    return "-" if n is None else format_bytes(n)
+
+
 def _name(spec):
     if spec["kind"] == "lattice":
         net = f"lattice {spec['rows']}x{spec['cols']} bond {spec['bond']}"
@@ -291,7 +297,7 @@ def main():
             r["peak_bytes_default_malloc"] = r["peak_bytes"]
             r["peak_bytes"] = m.get("peak_bytes")
             if "error" in m:
-                r["peak_error"] = m["error"][-300:]
+                r["peak_error"] = f"returncode {m.get('returncode')}: {m['error'][-300:]}"
         r.setdefault("spec", spec)
         r.setdefault("impl", impl)
         results.append(r)
@@ -306,7 +312,7 @@ def main():
             extra += f" grad err {r['grad_rel_err_vs_opt_einsum']:.1e}"
         print(f"{_name(spec):55s} {impl:13s} total {r['total_s']:8.3f} s (plan {r['plan_s']:.3f} s, run "
               f"{r['run_s']:.3f} s) slices {r.get('slices', '-')!s:>6} FLOP {r.get('flops', float('nan')):.3g} "
-              f"peak {format_bytes(r['peak_bytes'])}{extra}", flush=True)
+              f"peak {_bytes(r['peak_bytes'])}{extra}", flush=True)
     # summary: ours against the peer (sliced) or the best of the others (unsliced)
     summary = []
     groups = {}
@@ -335,13 +341,13 @@ def main():
             arrays_bytes = sum(a.numel() * a.element_size() for a in arrays)
             bound = 4 * spec["limit"] + 2 * arrays_bytes + 1024
             row["contract_bytes"] = bound
-            row["within_contract"] = ours["peak_bytes"] <= bound
+            row["within_contract"] = ours["peak_bytes"] is not None and ours["peak_bytes"] <= bound
             contract = f"{format_bytes(bound)}: {'met' if row['within_contract'] else 'MISSED'}"
         summary.append(row)
         print(f"| {_name(spec)} | {ours['total_s']:.3f} s ({ours['plan_s']:.3f} + {ours['run_s']:.3f}) | "
               f"{peer['impl']} {peer['total_s']:.3f} s ({peer['plan_s']:.3f} + {peer['run_s']:.3f}) | "
               f"{ratio:.2f}x | {ours.get('slices', '-')} / {peer.get('slices', '-')} | "
-              f"{format_bytes(ours['peak_bytes'])} / {format_bytes(peer['peak_bytes'])} | {contract} |")
+              f"{_bytes(ours['peak_bytes'])} / {_bytes(peer['peak_bytes'])} | {contract} |")
     write_json(args.out, dict(machine=info, threads=THREADS, results=results, summary=summary,
                               note="total_s = plan_s + run_s (median steady-state run); peaks: growth of the process's "
                                    "resident-set high-water mark over one run (PeakMemory)"))
