@@ -74,3 +74,27 @@ def test_malformed_programs_are_refused_on_both_sides():
             _cpp_reencode(bad, 2)
     with pytest.raises(RuntimeError, match="program is for 2 operands"):
         _cpp_reencode(ints, 3)
+
+
+def test_compiled_layouts_are_memoised_deterministically():
+    """The compiler memoises each step's GEMM layout on the step's canonical form (modes
+    renumbered in order of appearance): a warm memo gives the same program as a cold one, and
+    two networks that differ only in their mode labels compile to the same program."""
+    from torch_gradops.tensornet import compiler
+    from torch_gradops.testing import lattice_network
+    import opt_einsum
+    inputs, output, arrays = lattice_network(3, 4, 3, seed=1)
+    sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+    path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+    compiler._LAYOUTS.clear()
+    cold = compiler.compile_program(inputs, output, sizes, path, (), 8, False)
+    assert compiler._LAYOUTS  # filled
+    warm = compiler.compile_program(inputs, output, sizes, path, (), 8, False)
+    assert fmt.encode(warm[0]) == fmt.encode(cold[0]) and warm[1] == cold[1]
+    shift = {m: 1000 - 7 * m for m in sizes}  # other labels, another order of their values
+    relabelled = compiler.compile_program([[shift[m] for m in t] for t in inputs], [shift[m] for m in output],
+                                          {shift[m]: e for m, e in sizes.items()}, path, (), 8, False)
+    assert fmt.encode(relabelled[0]) == fmt.encode(cold[0])
+    # the same network with a mode sliced: a different program, still one per canonical step
+    sliced = compiler.compile_program(inputs, output, sizes, path, (inputs[0][0],), 8, False)
+    assert fmt.encode(sliced[0]) != fmt.encode(cold[0])

@@ -211,6 +211,38 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     return best[1:]
 
 
+_LAYOUTS: dict = {}  # canonical step -> layout (networks repeat the same local steps many times)
+
+
+def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize, is_complex):
+    """:func:`_gemm_layout` of the step with its modes renumbered in order of appearance,
+    memoised on that canonical form (circuits and lattices repeat the same local steps); the
+    orders come back in the step's own modes. A pure function of the canonical step, so
+    deterministic."""
+    ids: dict = {}
+    for m in list(ma) + list(mb) + (list(kept) if cons == "final" else list(cons)):
+        ids.setdefault(m, len(ids))
+    inv = list(ids)
+    if cons == "final":
+        c_cons, c_kept = "final", tuple(ids[m] for m in kept)
+    else:
+        c_cons, c_kept = tuple(sorted((ids[m], g) for m, g in cons.items())), ()
+    ca, cb = tuple(ids[m] for m in ma), tuple(ids[m] for m in mb)
+    key = (ca, tuple(sta[m] for m in ma), tuple(group_a[m] for m in ma), cb, tuple(stb[m] for m in mb),
+           tuple(group_b[m] for m in mb), tuple(sizes[m] for m in inv), c_cons, c_kept, itemsize, is_complex)
+    hit = _LAYOUTS.get(key)
+    if hit is None:
+        if len(_LAYOUTS) > 1 << 14:
+            _LAYOUTS.clear()
+        hit = _LAYOUTS[key] = _gemm_layout(
+            list(ca), dict(zip(ca, key[1])), list(cb), dict(zip(cb, key[4])), dict(zip(ca, key[2])),
+            dict(zip(cb, key[5])), dict(enumerate(key[6])), c_cons if c_cons == "final" else dict(c_cons),
+            list(c_kept), itemsize, is_complex)
+    swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = hit
+    back = lambda o: {g: [inv[i] for i in ms] for g, ms in o.items()}  # noqa: E731
+    return swap, (copy_a, back(oa), cfa), (copy_b, back(ob), cfb)
+
+
 def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False, checkpoints=()):
     """``(program, steps)``: the :class:`~.program.Program` of ``path`` over the network
     ``inputs -> output`` (mode ids, extents ``sizes``) with ``sliced`` modes selected and a
@@ -277,8 +309,8 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         seta, setb = set(ma), set(mb)
         group_a = {m: ("b" if count[m] > 0 else "k") if m in setb else "f" for m in ma}
         group_b = {m: ("b" if count[m] > 0 else "k") if m in seta else "f" for m in mb}
-        swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes,
-                                                                  consumer[nslot], kept, itemsize, is_complex)
+        swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes,
+                                                                       consumer[nslot], kept, itemsize, is_complex)
         # X enters bmm as [Bt,M,K] (stored [Bt,K,M] if tx), Y as [Bt,K,N] (stored [Bt,N,K] if ty)
         (sx, mx, ox, fx), (sy, my, oy, fy) = ((sb, mb, ob, cfb), (sa, ma, oa, cfa)) if swap \
             else ((sa, ma, oa, cfa), (sb, mb, ob, cfb))
