@@ -8,6 +8,7 @@ else needs are summed before a step; sliced modes are selected first.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import List
 
@@ -211,14 +212,20 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     return best[1:]
 
 
-_LAYOUTS: dict = {}  # canonical step -> layout (networks repeat the same local steps many times)
+@functools.lru_cache(maxsize=1 << 14)
+def _canonical_layout(ma, sta, ga, mb, stb, gb, sizes, cons, kept, itemsize, is_complex):
+    """:func:`_gemm_layout` of a step in canonical form (modes ``0..k-1``; per operand its modes,
+    strides and groups as tuples; ``sizes`` per mode; ``cons`` "final" or sorted (mode, role)
+    pairs), memoised: circuits and lattices repeat the same local steps many times."""
+    return _gemm_layout(list(ma), dict(zip(ma, sta)), list(mb), dict(zip(mb, stb)), dict(zip(ma, ga)),
+                        dict(zip(mb, gb)), dict(enumerate(sizes)), cons if cons == "final" else dict(cons),
+                        list(kept), itemsize, is_complex)
 
 
 def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize, is_complex):
-    """:func:`_gemm_layout` of the step with its modes renumbered in order of appearance,
-    memoised on that canonical form (circuits and lattices repeat the same local steps); the
-    orders come back in the step's own modes. A pure function of the canonical step, so
-    deterministic."""
+    """:func:`_gemm_layout` of the step with its modes renumbered in order of appearance
+    (:func:`_canonical_layout`); the orders come back in the step's own modes. A pure function
+    of the canonical step, so deterministic."""
     ids: dict = {}
     for m in list(ma) + list(mb) + (list(kept) if cons == "final" else list(cons)):
         ids.setdefault(m, len(ids))
@@ -227,18 +234,10 @@ def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, ite
         c_cons, c_kept = "final", tuple(ids[m] for m in kept)
     else:
         c_cons, c_kept = tuple(sorted((ids[m], g) for m, g in cons.items())), ()
-    ca, cb = tuple(ids[m] for m in ma), tuple(ids[m] for m in mb)
-    key = (ca, tuple(sta[m] for m in ma), tuple(group_a[m] for m in ma), cb, tuple(stb[m] for m in mb),
-           tuple(group_b[m] for m in mb), tuple(sizes[m] for m in inv), c_cons, c_kept, itemsize, is_complex)
-    hit = _LAYOUTS.get(key)
-    if hit is None:
-        if len(_LAYOUTS) > 1 << 14:
-            _LAYOUTS.clear()
-        hit = _LAYOUTS[key] = _gemm_layout(
-            list(ca), dict(zip(ca, key[1])), list(cb), dict(zip(cb, key[4])), dict(zip(ca, key[2])),
-            dict(zip(cb, key[5])), dict(enumerate(key[6])), c_cons if c_cons == "final" else dict(c_cons),
-            list(c_kept), itemsize, is_complex)
-    swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = hit
+    swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _canonical_layout(
+        tuple(ids[m] for m in ma), tuple(sta[m] for m in ma), tuple(group_a[m] for m in ma),
+        tuple(ids[m] for m in mb), tuple(stb[m] for m in mb), tuple(group_b[m] for m in mb),
+        tuple(sizes[m] for m in inv), c_cons, c_kept, itemsize, is_complex)
     back = lambda o: {g: [inv[i] for i in ms] for g, ms in o.items()}  # noqa: E731
     return swap, (copy_a, back(oa), cfa), (copy_b, back(ob), cfb)
 

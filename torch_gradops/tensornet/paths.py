@@ -71,6 +71,11 @@ MIN_TRIALS = 8            # trials of every search (cotengra's greedy trials var
 BATCH = 4                 # further trials are run this many at a time
 
 
+def _max_trials(n_operands: int) -> int:
+    """The most trials of a search: 32, 16 beyond 64 operands, 4 beyond 256."""
+    return 32 if n_operands <= 64 else 16 if n_operands <= 256 else 4
+
+
 def _trials_worth(n_operands: int, flops: float) -> int:
     """Trials worth :data:`SEARCH_FRACTION` of a contraction of ``flops`` (forward + backward,
     real FLOPs) at :data:`NOMINAL_FLOP_RATE`, at most :data:`MAX_SEARCH_S` seconds."""
@@ -85,7 +90,7 @@ def search_budget(n_operands: int, flops: float) -> dict:
     is worth less search; below 2 no search) and at most ``max_repeats`` (32; 16 beyond 64
     operands, 4 beyond 256). Between the two, :func:`wants_more` decides from the best plan
     found so far. Depends only on the network: deterministic."""
-    cap = 32 if n_operands <= 64 else 16 if n_operands <= 256 else 4
+    cap = _max_trials(n_operands)
     worth = _trials_worth(n_operands, 3 * flops)
     return {"min_repeats": max(0, min(cap, MIN_TRIALS, worth)), "max_repeats": cap}
 
@@ -273,8 +278,7 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             name = "auto"
         if name == "cotengra":
             if budget is None:  # asked for by name: the full search
-                cap = 32 if n <= 64 else 16 if n <= 256 else 4
-                budget = {"min_repeats": cap, "max_repeats": cap}
+                budget = {"min_repeats": _max_trials(n), "max_repeats": _max_trials(n)}
             obj = PlanObjective(objective) if objective is not None else "flops"
 
             def more(trials):

@@ -162,13 +162,19 @@ def _transients(costs: StepCosts, copies=None, complex_=False) -> List[int]:
     return out
 
 
-def _segment_items(costs: StepCosts, copies, lo, hi) -> int:
-    """Elements a segment's recomputation holds: its steps' results, and the copies it makes of
-    intermediates from earlier segments (whose originals the checkpoint keeps)."""
-    held = sum(costs.result[lo:hi])
+def _step_items(costs: StepCosts, copies, j, lo) -> int:
+    """Elements step ``j`` adds to what a segment starting at step ``lo`` holds: its result, and
+    the copies it makes of intermediates from earlier segments (whose originals the checkpoint
+    keeps)."""
+    held = costs.result[j]
     if copies is not None:
-        held += sum(costs.result[p] for j in range(lo, hi) for p in copies[j][0] if p < lo)
+        held += sum(costs.result[p] for p in copies[j][0] if p < lo)
     return held
+
+
+def _segment_items(costs: StepCosts, copies, lo, hi) -> int:
+    """Elements a segment's recomputation holds: :func:`_step_items` of its steps."""
+    return sum(_step_items(costs, copies, j, lo) for j in range(lo, hi))
 
 
 def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None, complex_=False,
@@ -255,15 +261,13 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
 def _greedy_segments(costs, copies, trans, last, cap) -> Optional[List[int]]:
     """Boundaries of segments covering steps ``[0, last)`` (each as long as ``cap`` allows) and
     ``last``; None when a single step does not fit. Each segment grows step by step with its
-    held elements (:func:`_segment_items`) and largest transient kept as running totals."""
+    held elements (:func:`_step_items`) and largest transient kept as running totals."""
     result, consumer = costs.result, costs.consumer
     bounds, cross, lo = [], 0, 0
     while lo < last:
         held, top, hi, need = 0, 0, lo, 0
         while hi < last:
-            add = result[hi]
-            if copies is not None:
-                add += sum(result[p] for p in copies[hi][0] if p < lo)
+            add = _step_items(costs, copies, hi, lo)
             n2 = cross + held + add + max(top, trans[hi])
             if n2 > cap and hi > lo:
                 break
