@@ -156,6 +156,55 @@ def test_dropout_trains_and_eval_is_deterministic():
     assert not ours(x, ei).abs().any()
 
 
+def test_fixed_edge_features_are_ordered_once(monkeypatch):
+    """Edge features without a gradient (fixed data) are processed into CSC order once per
+    edge_attr and graph; an in-place change, another graph, a gradient-requiring edge_attr or
+    inference mode rebuild them, and every result still equals PyG's."""
+    from torch_gradops.nn import adjacency
+    calls = {"n": 0}
+    real = adjacency.loop_edge_attr
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(adjacency, "loop_edge_attr", counting)
+    adjacency.clear_csc_cache()
+    theirs, ours = pair(12, 6, heads=2, edge_dim=3, fill_value="mean")
+    x, ei, ea = torch.randn(30, 12), random_graph(30, 30, 150), torch.randn(150, 3)
+
+    def check(edge_index, edge_attr):
+        outs, grads = [], []
+        for layer in (theirs, ours):
+            layer.zero_grad()
+            out = layer(x, edge_index, edge_attr)
+            out.square().sum().backward()
+            outs.append(out)
+            grads.append([p.grad for p in layer.parameters()])
+        close(outs[1], outs[0])
+        for a, b in zip(*grads):
+            close(b, a)
+
+    check(ei, ea)
+    assert calls["n"] == 1 and ea in adjacency.EDGE_FEATURE_CACHE
+    check(ei, ea)
+    assert calls["n"] == 1  # cache hit
+    ea.mul_(2.0)  # in place: seen through _version
+    check(ei, ea)
+    assert calls["n"] == 2
+    check(random_graph(30, 30, 150, seed=5), ea)  # another graph
+    assert calls["n"] == 3
+    with torch.inference_mode():  # an inference tensor must not be cached for later backward
+        close(ours(x, ei, ea), theirs(x, ei, ea))
+    check(ei, ea)
+    ea_grad = ea.clone().requires_grad_()
+    n = calls["n"]
+    run_both(theirs, ours, x, ei, edge_attr=ea_grad)  # gradients for edge_attr: never cached
+    assert calls["n"] == n + 1 and ea_grad not in adjacency.EDGE_FEATURE_CACHE
+    adjacency.clear_csc_cache()
+    assert len(adjacency.EDGE_FEATURE_CACHE) == 0
+
+
 def test_backward_is_bitwise_deterministic():
     _, ours = pair(16, 8, heads=4, edge_dim=3)
     x, ei, ea = torch.randn(50, 16), random_graph(50, 50, 400), torch.randn(400, 3)

@@ -444,8 +444,16 @@ def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor,
         ``out [num_dst, H, C]``, or ``(out, alpha)``. Destinations without incoming edges get zeros.
     """
     _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout)
-    heads = x_src.size(1)
     ea = None if edge_attr is None else graph.edge_order(edge_attr)
+    return _gatv2_attention_csc(x_src, x_dst, att, graph, negative_slope, ea, edge_weight, dropout, training,
+                                return_attention)
+
+
+def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope: float, ea, edge_weight,
+                         dropout: float, training: bool, return_attention: bool):
+    """:func:`gatv2_attention` on checked inputs with the edge features ``ea`` already in CSC
+    order (what ``graph.edge_order`` gives): for callers that keep them so across calls."""
+    heads = x_src.size(1)
     mask = None
     scale = 1.0
     if training and dropout > 0.0:

@@ -9,6 +9,7 @@ an ``EdgeIndex`` sorted by column (destination) is converted without any sort.
 """
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -23,7 +24,7 @@ from torch_geometric.utils.sparse import set_sparse_value
 from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
-           "loop_edge_attr", "attention_result"]
+           "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE", "attention_result"]
 
 try:  # PyG >= 2.5
     from torch_geometric import EdgeIndex
@@ -36,9 +37,16 @@ except ImportError:  # pragma: no cover
 CSC_CACHE = WeakIdKeyDictionary()
 
 
+# edge_attr object -> (edge_attr._version, weakref to the BipartiteCSC, num_loops, fill_value,
+# features in CSC order): one entry per edge_attr, held weakly like CSC_CACHE.
+EDGE_FEATURE_CACHE = WeakIdKeyDictionary()
+
+
 def clear_csc_cache() -> None:
-    """Forget every cached CSC conversion (they are also dropped with their ``edge_index``)."""
+    """Forget every cached CSC conversion and ordered edge features (they are also dropped with
+    their ``edge_index`` / ``edge_attr``)."""
     CSC_CACHE.clear()
+    EDGE_FEATURE_CACHE.clear()
 
 
 def _version(t) -> Optional[int]:
@@ -161,6 +169,38 @@ def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value) ->
     src, dst = src.long(), dst.long()
     col = torch.where((src == dst) | (dst >= num_loops), num_loops, dst)
     return compute_loop_attr(torch.stack([src, col]), edge_attr, num_loops + 1, False, fill_value)[:num_loops]
+
+
+def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_loops: Optional[int],
+                      fill_value) -> Tensor:
+    """``[E', edge_dim]``: ``edge_attr`` (``[E, edge_dim]`` or ``[E]``) followed by the added
+    self-loops' features (:func:`loop_edge_attr`), in ``graph``'s CSC order (``graph`` is
+    :func:`csc_graph` of ``edge_index``).
+
+    Edge features that need no gradient are usually fixed data, passed again every step: the
+    result is then cached per ``edge_attr`` (one entry, keyed and invalidated like the CSC
+    conversion), so the loop features' reduction and the reordering (three passes over
+    ``E x edge_dim``) run once. Not cached under ``torch.compile``, inference mode (an inference
+    tensor cannot be saved for a later backward), torch.func transforms or a Tensor
+    ``fill_value``."""
+    ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
+
+    def build():
+        full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
+        return graph.edge_order(full)
+
+    if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+            or isinstance(fill_value, Tensor) or torch._C._functorch.is_functorch_wrapped_tensor(edge_attr)):
+        return build()
+    hit = EDGE_FEATURE_CACHE.get(edge_attr)
+    version = _version(edge_attr)
+    if hit is not None:
+        v, graph_ref, loops, fill, ordered = hit
+        if v == version and graph_ref() is graph and loops == num_loops and fill == fill_value:
+            return ordered
+    ordered = build()
+    EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, ordered)
+    return ordered
 
 
 def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):

@@ -8,9 +8,9 @@ from torch import Tensor
 
 from torch_geometric.nn.conv import GATv2Conv as PyGGATv2Conv
 
-from ..gatv2 import gatv2_attention
+from ..gatv2 import _check_inputs, _gatv2_attention_csc
 from ..graph import BipartiteCSC
-from .adjacency import attention_result, csc_graph, loop_edge_attr, propagate_sizes
+from .adjacency import attention_result, csc_edge_features, csc_graph, propagate_sizes
 
 __all__ = ["GATv2Conv"]
 
@@ -50,7 +50,7 @@ class GATv2Conv(PyGGATv2Conv):
         num_dst, num_loops = propagate_sizes(edge_index, x_l.size(0), x_r.size(0), None, self.add_self_loops,
                                              self.edge_dim)
         graph = csc_graph(edge_index, x_l.size(0), num_dst, num_loops)
-        edge_feats = self._edge_features(edge_attr, edge_index, num_loops)
+        edge_feats = self._edge_features(edge_attr, edge_index, graph, num_loops)
         out, alpha = self._attend(x_l, x_r, edge_feats, graph, num_dst, bool(return_attention_weights))
         out = self._finish(out, res)
         if return_attention_weights:
@@ -73,16 +73,14 @@ class GATv2Conv(PyGGATv2Conv):
         res = self.res(x_r) if self.res is not None else None
         return self.lin_l(x_l).view(-1, H, C), self.lin_r(x_r).view(-1, H, C), res
 
-    def _edge_features(self, edge_attr: Optional[Tensor], edge_index, num_loops: Optional[int]) -> Optional[Tensor]:
-        """``[E (+ loops), edge_dim]``: the raw edge features, the added loops' by ``fill_value``
-        (``lin_edge`` is applied inside the kernel)."""
+    def _edge_features(self, edge_attr: Optional[Tensor], edge_index, graph: BipartiteCSC,
+                       num_loops: Optional[int]) -> Optional[Tensor]:
+        """``[E (+ loops), edge_dim]`` in CSC order: the raw edge features, the added loops' by
+        ``fill_value`` (``lin_edge`` is applied inside the kernel)."""
         if edge_attr is None:
             return None
         assert self.lin_edge is not None, "edge_attr was given but the layer has no edge_dim"
-        ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
-        if num_loops is not None:
-            ea = torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, self.fill_value)])
-        return ea
+        return csc_edge_features(edge_attr, edge_index, graph, num_loops, self.fill_value)
 
     def _attend(self, x_l: Tensor, x_r: Tensor, edge_feats: Optional[Tensor], graph: BipartiteCSC,
                 num_dst: int, want_alpha: bool):
@@ -90,7 +88,8 @@ class GATv2Conv(PyGGATv2Conv):
         alpha [E', H] or None)``, with the scratch row of the input's own self-loops dropped."""
         H, C = self.heads, self.out_channels
         dtype = x_l.dtype
-        x_r = x_r[:num_dst]
+        if x_r.size(0) != num_dst:  # (a no-op slice would still cost a copy in the backward)
+            x_r = x_r[:num_dst]
         if graph.num_dst == num_dst + 1:  # one extra row holding the removed self-loops
             x_r = torch.cat([x_r, x_r.new_zeros((1, H, C))])
         weight = None
@@ -100,13 +99,16 @@ class GATv2Conv(PyGGATv2Conv):
             edge_feats = edge_feats.to(dtype)
         p = float(self.dropout) if self.training else 0.0
         drop_all = p >= 1.0  # F.dropout(p=1) zeroes everything; the kernel takes p < 1
-        result = gatv2_attention(x_l.contiguous(), x_r.to(dtype).contiguous(), self.att.view(H, C).to(dtype), graph,
-                                 negative_slope=self.negative_slope, edge_attr=edge_feats, edge_weight=weight,
-                                 dropout=0.0 if drop_all else p, training=self.training,
-                                 return_attention=want_alpha)
+        x_l, x_r, att = x_l.contiguous(), x_r.to(dtype).contiguous(), self.att.view(H, C).to(dtype)
+        p = 0.0 if drop_all else p
+        _check_inputs(x_l, x_r, att, graph, edge_feats, weight, p)
+        result = _gatv2_attention_csc(x_l, x_r, att, graph, self.negative_slope, edge_feats, weight, p,
+                                      self.training, want_alpha)
         out, alpha = result if want_alpha else (result, None)
         if graph.num_dst == num_dst + 1:
-            out = out[:num_dst]
+            # split, not a slice: its backward pads the gradient in one pass (a slice's zero-fills
+            # then copies)
+            out = out.split([num_dst, 1])[0]
         if drop_all:
             out = out * 0.0
             alpha = None if alpha is None else alpha * 0.0
