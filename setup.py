@@ -63,7 +63,8 @@ def _cuda_library_includes():
 
 def _cpu_arch_flags():
     """The CPU kernels are compute-bound (scores, exp, per-head FMAs): build them for x86-64-v3
-    (AVX2 + FMA) when the build machine has it, as packages built from source usually do.
+    (AVX2 + FMA), or x86-64-v4 (AVX-512), when the build machine has it, as packages built from
+    source usually do.
     TORCH_GRADOPS_CPU_ARCH=generic builds portable code; any other value is passed to -march."""
     arch = os.environ.get("TORCH_GRADOPS_CPU_ARCH", "auto")
     if arch == "generic":
@@ -76,7 +77,12 @@ def _cpu_arch_flags():
     except OSError:
         return []
     needed = {"avx2", "fma", "bmi2", "f16c", "movbe"}
-    return ["-march=x86-64-v3"] if needed.issubset(flags) else []
+    if not needed.issubset(flags):
+        return []
+    # x86-64-v4 (AVX-512) where the build machine has it: the edge projection's loops use
+    # 512-bit vectors there (csrc/cpu/kernel_utils.h, VecWide)
+    return ["-march=x86-64-v4"] if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}.issubset(flags) \
+        else ["-march=x86-64-v3"]
 
 
 def extensions():

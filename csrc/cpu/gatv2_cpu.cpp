@@ -63,20 +63,27 @@ inline void edge_preact(acc_t* __restrict__ z, const TS* __restrict__ src_row, c
   for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
   if (mode == Gatv2EdgeMode::kProject) {
     // Blocks of kVecs vectors of z stay in registers while the K rows of w stream past them:
-    // one load per multiply-add, and kVecs independent sums to hide the FMA latency.
-    using vec = typename cpu::Vec8<acc_t>::type;
-    constexpr int kVecs = sizeof(acc_t) == 4 ? 8 : 4;
-    constexpr int64_t kBlock = 8 * kVecs;
+    // one load per multiply-add, and kVecs independent sums to hide the FMA latency. Each
+    // element sums over k in order whatever the vector width (AVX-512 where built for it).
+    using vec = typename cpu::VecWide<acc_t>::type;
+    constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
+    constexpr int kVecs = 8;
+    constexpr int64_t kBlock = kLanes * kVecs;
     int64_t f0 = 0;
     for (; f0 + kBlock <= HC; f0 += kBlock) {
       vec r[kVecs];
-      for (int v = 0; v < kVecs; ++v) r[v] = cpu::load8(z + f0 + 8 * v);
+      for (int v = 0; v < kVecs; ++v) r[v] = cpu::load_wide(z + f0 + kLanes * v);
       for (int64_t k = 0; k < K; ++k) {
         const acc_t a = static_cast<acc_t>(ea_row[k]);
         const acc_t* wk = w + k * HC + f0;
-        for (int v = 0; v < kVecs; ++v) r[v] += a * cpu::load8(wk + 8 * v);
+        for (int v = 0; v < kVecs; ++v) r[v] += a * cpu::load_wide(wk + kLanes * v);
       }
-      for (int v = 0; v < kVecs; ++v) cpu::store8(z + f0 + 8 * v, r[v]);
+      for (int v = 0; v < kVecs; ++v) cpu::store_wide(z + f0 + kLanes * v, r[v]);
+    }
+    for (; f0 + kLanes <= HC; f0 += kLanes) {
+      vec r = cpu::load_wide(z + f0);
+      for (int64_t k = 0; k < K; ++k) r += static_cast<acc_t>(ea_row[k]) * cpu::load_wide(w + k * HC + f0);
+      cpu::store_wide(z + f0, r);
     }
     for (int64_t f = f0; f < HC; ++f) {
       acc_t r = z[f];
@@ -184,18 +191,19 @@ inline void add_to(acc_t* __restrict__ acc, const acc_t* __restrict__ v, int64_t
 template <typename acc_t>
 inline void add_weight_grad_batch(acc_t* __restrict__ p, const acc_t* __restrict__ eab, const acc_t* __restrict__ dzb,
                                   int64_t K, int64_t HC) {
-  using vec = typename cpu::Vec8<acc_t>::type;
-  const int64_t HC8 = HC / 8 * 8;
-  for (int64_t f = 0; f < HC8; f += 8) {
+  using vec = typename cpu::VecWide<acc_t>::type;
+  constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
+  const int64_t HCw = HC / kLanes * kLanes;
+  for (int64_t f = 0; f < HCw; f += kLanes) {
     vec d[kEdgeBatch];
-    for (int b = 0; b < kEdgeBatch; ++b) d[b] = cpu::load8(dzb + b * HC + f);
+    for (int b = 0; b < kEdgeBatch; ++b) d[b] = cpu::load_wide(dzb + b * HC + f);
     for (int64_t k = 0; k < K; ++k) {
-      vec acc = cpu::load8(p + k * HC + f);
+      vec acc = cpu::load_wide(p + k * HC + f);
       for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * d[b];
-      cpu::store8(p + k * HC + f, acc);
+      cpu::store_wide(p + k * HC + f, acc);
     }
   }
-  for (int64_t f = HC8; f < HC; ++f) {
+  for (int64_t f = HCw; f < HC; ++f) {
     for (int64_t k = 0; k < K; ++k) {
       acc_t acc = p[k * HC + f];
       for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * dzb[b * HC + f];

@@ -72,6 +72,31 @@ inline void store8(T* p, const typename Vec8<T>::type& v) {
   std::memcpy(p, &v, sizeof(v));
 }
 
+// The widest native vector: 64 bytes with AVX-512, else 32. For loops whose per-element order
+// does not depend on the width (no reduction across lanes), so results are the same either way.
+#if defined(__AVX512F__)
+constexpr int kWideBytes = 64;
+#else
+constexpr int kWideBytes = 32;
+#endif
+template <typename T>
+struct VecWide {
+  static constexpr int kLanes = kWideBytes / static_cast<int>(sizeof(T));
+  typedef T type __attribute__((vector_size(kWideBytes)));
+};
+
+template <typename T>
+inline typename VecWide<T>::type load_wide(const T* p) {
+  typename VecWide<T>::type r;
+  std::memcpy(&r, p, sizeof(r));
+  return r;
+}
+
+template <typename T>
+inline void store_wide(T* p, const typename VecWide<T>::type& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
 // The lanes of v summed in the fixed tree that dot() and sum8() use.
 template <typename T>
 inline T tree8(const typename Vec8<T>::type& p) {
