@@ -27,8 +27,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "has_tangent", "route", "split_duals",
-           "join_dual"]
+__all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "is_transformed", "has_tangent", "route",
+           "split_duals", "join_dual"]
 
 FUNCTION, FUSED_JVP, COMPOSITE = "function", "fused_jvp", "composite"
 
@@ -44,6 +44,13 @@ def transform_keys() -> Tuple:
         return (interp.key(),)
     with interp.lower():
         return (interp.key(),) + transform_keys()
+
+
+def is_transformed(t: Optional[torch.Tensor]) -> bool:
+    """``t`` is a torch.func wrapper (batched, gradient-tracking or dual), outside torch.compile:
+    Dynamo cannot ask, and under it the transforms are not traced through our Functions."""
+    return t is not None and not torch.compiler.is_compiling() and \
+        torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 def has_tangent(t: Optional[torch.Tensor]) -> bool:

@@ -20,7 +20,7 @@ from typing import Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ._transforms import COMPOSITE, FUSED_JVP, join_dual, route, split_duals
+from ._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
 from .gat import (_attend_composite, _composite_edges, _fold_heads, _prepare_graph, _unfold_heads,
                   _vmap_per_item)
 from .graph import BipartiteCSC, csc_destinations
@@ -84,12 +84,6 @@ def _gatv2_forward_vmap(info, in_dims, x_src, x_dst, att, edge_attr, edge_weight
         edge_attr if raw_edges else fold(edge_attr, in_dims[3]), fold(edge_weight, in_dims[4]), indptr, indices,
         fold(dropout_mask, in_dims[7]), negative_slope, dropout_scale, return_alpha)
     return (_unfold_heads(out, batch), _unfold_heads(lse, batch), _unfold_heads(alpha, batch)), (1, 1, 1)
-
-
-def _is_transformed(t) -> bool:
-    """A torch.func wrapper (batched, gradient-tracking or dual) outside torch.compile."""
-    return t is not None and not torch.compiler.is_compiling() and \
-        torch._C._functorch.is_functorch_wrapped_tensor(t)
 
 
 # ---------------------------------------------------------------------------- composite path
@@ -230,7 +224,7 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
             grad_alpha = None
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        if torch.is_grad_enabled() or any(_is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att,
+        if torch.is_grad_enabled() or any(is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att,
                                                                        edge_attr, edge_weight)):
             # create_graph=True (every torch.func.grad/vjp records for higher orders), or batched
             # tensors from vmap: the same gradients in differentiable ops (exact, not fused).

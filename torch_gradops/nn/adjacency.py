@@ -21,6 +21,7 @@ from torch_geometric.utils import add_self_loops, is_torch_sparse_tensor, remove
 from torch_geometric.utils.loop import compute_loop_attr
 from torch_geometric.utils.sparse import set_sparse_value
 
+from .._transforms import is_transformed
 from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
@@ -190,7 +191,7 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
         return graph.edge_order(full)
 
     if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or isinstance(fill_value, Tensor) or torch._C._functorch.is_functorch_wrapped_tensor(edge_attr)):
+            or isinstance(fill_value, Tensor) or is_transformed(edge_attr)):
         return build()
     hit = EDGE_FEATURE_CACHE.get(edge_attr)
     version = _version(edge_attr)

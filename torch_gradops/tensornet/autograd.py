@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch
 
-from .._transforms import COMPOSITE, FUSED_JVP, join_dual, route, split_duals
+from .._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
 from ..library import ops
 from .parser import apply_steps
 
@@ -41,13 +41,7 @@ def _needs_function(eff) -> bool:
         return True
     if torch.autograd.forward_ad._current_level >= 0:
         return True
-    return any(_is_transformed(t) for t in eff)
-
-
-def _is_transformed(t) -> bool:
-    """A torch.func wrapper (batched, gradient-tracking or dual); Dynamo cannot ask (and under
-    torch.compile the transforms are not traced through our Functions)."""
-    return not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(t)
+    return any(is_transformed(t) for t in eff)
 
 
 def _engine_needs(ctx, needs):
@@ -142,7 +136,7 @@ class ContractFunction(torch.autograd.Function):
         needs = _engine_needs(ctx, ctx.needs_input_grad[3:])
         if grad_out is None or not any(needs):
             return (None, None, None) + (None,) * len(operands)
-        if torch.is_grad_enabled() or _is_transformed(grad_out):
+        if torch.is_grad_enabled() or is_transformed(grad_out):
             # create_graph=True, or a batched/dual output gradient (torch.func, gradcheck's
             # batched checks): gradients as contractions through this Function, whose vmap and
             # jvp rules apply; the fused backward ops have no batching rule
@@ -217,7 +211,7 @@ def _derivative_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[t
 def _mode(plan, eff, group) -> str:
     """How a differentiable contraction runs (see :class:`ContractFunction`)."""
     wants = torch.is_grad_enabled() and any(t.requires_grad for t in eff)
-    plain_ad = torch.autograd.forward_ad._current_level < 0 and not any(_is_transformed(t) for t in eff)
+    plain_ad = torch.autograd.forward_ad._current_level < 0 and not any(is_transformed(t) for t in eff)
     if not wants or not plain_ad:
         return PLAIN
     if len(plan.output_shape) == 0 or all(d == 1 for d in plan.output_shape):
