@@ -98,3 +98,47 @@ def test_compiled_layouts_are_memoised_deterministically():
     # the same network with a mode sliced: a different program, still one per canonical step
     sliced = compiler.compile_program(inputs, output, sizes, path, (inputs[0][0],), 8, False)
     assert fmt.encode(sliced[0]) != fmt.encode(cold[0])
+
+
+@pytest.mark.parametrize("quick_macs", [0, 1 << 40], ids=["full_search", "all_quick"])
+def test_quick_layouts_are_valid_and_chosen_by_total_work(monkeypatch, quick_macs):
+    """Steps whose multiply-adds over all slices are below compiler.QUICK_MACS get a quick
+    layout search; with every step quick and with none, the programs contract to einsum's value
+    and gradients (the quick search still only picks layouts the executor can run), and the
+    threshold counts slices: the same small network sliced many times is searched in full."""
+    from torch_gradops.tensornet import compiler
+    monkeypatch.setattr(compiler, "QUICK_MACS", quick_macs)
+    compiler._canonical_layout.cache_clear()
+    tn.clear_plan_cache()
+    inputs, output, arrays = circuit_amplitude_network(3, 3, 6, seed=2)
+    arrays = [a.to(torch.complex128).requires_grad_() for a in arrays]
+    ref_leaves = [a.detach().clone().requires_grad_() for a in arrays]
+    ref = torch.einsum(*interleave(inputs, ref_leaves, output))
+    ref_grads = torch.autograd.grad(ref.real.sum(), ref_leaves)
+    for limit in (None, 256):
+        value = tn.contract(*interleave(inputs, arrays, output), memory_limit=limit)
+        grads = torch.autograd.grad(value.real.sum(), arrays)
+        torch.testing.assert_close(value, ref.detach(), rtol=1e-10, atol=1e-12)
+        for g, r in zip(grads, ref_grads):
+            torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+    compiler._canonical_layout.cache_clear()
+    tn.clear_plan_cache()
+    calls = []
+    real = compiler._gemm_layout
+
+    def spy(*a):
+        calls.append(a[11])  # quick
+        return real(*a)
+
+    monkeypatch.setattr(compiler, "_gemm_layout", spy)
+    monkeypatch.setattr(compiler, "QUICK_MACS", 1 << 14)
+    sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+    import opt_einsum
+    path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+    compiler.compile_program(inputs, output, sizes, path, (), 16, True)
+    assert calls and all(calls)  # a tiny network: every step quick
+    big = [m for m in sizes if sizes[m] > 1][:14]  # slicing multiplies each step's runs
+    calls.clear()
+    compiler._canonical_layout.cache_clear()
+    compiler.compile_program(inputs, output, sizes, path, tuple(big), 16, True)
+    assert calls and not any(calls)

@@ -16,6 +16,12 @@ from . import program as fmt
 
 __all__ = ["compile_program"]
 
+# Steps of fewer multiply-adds than this over all slices (GEMMs of microseconds, where a
+# layout's copies cost about as much as the call itself) get a quick layout search: the
+# consumer's preferred order only, the result untransposed, copies in that order. Planning a
+# circuit of hundreds of such steps is otherwise most of its first call.
+QUICK_MACS = 1 << 14
+
 
 def _contiguous_strides(modes, sizes):
     strides, acc = {}, 1
@@ -123,7 +129,7 @@ def _copy_cost(modes, strides, order, sizes, itemsize):
     return math.prod(sizes[m] for m in modes) * (1 + 256 / (run * itemsize))
 
 
-def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize=8, is_complex=False):
+def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize=8, is_complex=False, quick=False):
     """Layout of one pairwise step. Each operand enters bmm as a view when its memory allows
     ([batch, free, contr] or [batch, contr, free]; bmm takes the transposed view without
     copying) or as a copy in any order; the result is [batch, left, right] or, computing it
@@ -133,8 +139,8 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     the result are chosen for the consumer), plus a penalty for a result whose rows are
     shorter than 16 elements and than its columns (measured on CPU: a [59049, 9] = [59049, 18]
     @ [18, 9] float32 GEMM takes about 5x as long as its transpose [9, 59049]; complex GEMMs
-    care much less). Costs are in element copies. Returns (swap, per side: (copied, orders,
-    contr_first))."""
+    care much less). Costs are in element copies. ``quick``: a quick search (see
+    :data:`QUICK_MACS`). Returns (swap, per side: (copied, orders, contr_first))."""
     va = _view_orders(ma, sta, group_a, sizes)
     vb = _view_orders(mb, stb, group_b, sizes)
     batch = [m for m in ma if group_a[m] == "b"]
@@ -153,6 +159,8 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
         keys = [{m: j for j, m in enumerate(kept)}]
     else:
         keys = [{m: "bkfs".index(cons[m]) for m in cons}, {m: "bfks".index(cons[m]) for m in cons}]
+    if quick:
+        keys = keys[:1]
 
     memo = {}
 
@@ -187,17 +195,17 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
                 for b_ord, k_ord in shared:
                     if copy_a:
                         fa = [m for m in mem_a if m in left]
-                        opts_a = [copied(0, b_ord, k_ord, f) for f in {by(fa), tuple(fa)}]
+                        opts_a = [copied(0, b_ord, k_ord, f) for f in ({by(fa)} if quick else {by(fa), tuple(fa)})]
                     else:
                         opts_a = [(0, va[0], va[1])]
                     if copy_b:
                         fb = [m for m in mem_b if m in right]
-                        opts_b = [copied(1, b_ord, k_ord, f) for f in {by(fb), tuple(fb)}]
+                        opts_b = [copied(1, b_ord, k_ord, f) for f in ({by(fb)} if quick else {by(fb), tuple(fb)})]
                     else:
                         opts_b = [(0, vb[0], vb[1])]
                     for cost_a, oa, cfa in opts_a:
                         for cost_b, ob, cfb in opts_b:
-                            for swap in (0, 1):
+                            for swap in ((0,) if quick else (0, 1)):
                                 x = ob if swap else oa
                                 cm = x["b"] + (ob["f"] + oa["f"] if swap else oa["f"] + ob["f"])
                                 fits = _result_fits(cm, cons, sizes, kept)
@@ -213,16 +221,16 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
 
 
 @functools.lru_cache(maxsize=1 << 14)
-def _canonical_layout(ma, sta, ga, mb, stb, gb, sizes, cons, kept, itemsize, is_complex):
+def _canonical_layout(ma, sta, ga, mb, stb, gb, sizes, cons, kept, itemsize, is_complex, quick):
     """:func:`_gemm_layout` of a step in canonical form (modes ``0..k-1``; per operand its modes,
     strides and groups as tuples; ``sizes`` per mode; ``cons`` "final" or sorted (mode, role)
     pairs), memoised: circuits and lattices repeat the same local steps many times."""
     return _gemm_layout(list(ma), dict(zip(ma, sta)), list(mb), dict(zip(mb, stb)), dict(zip(ma, ga)),
                         dict(zip(mb, gb)), dict(enumerate(sizes)), cons if cons == "final" else dict(cons),
-                        list(kept), itemsize, is_complex)
+                        list(kept), itemsize, is_complex, quick)
 
 
-def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize, is_complex):
+def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize, is_complex, repeats):
     """:func:`_gemm_layout` of the step with its modes renumbered in order of appearance
     (:func:`_canonical_layout`); the orders come back in the step's own modes. A pure function
     of the canonical step, so deterministic."""
@@ -237,7 +245,8 @@ def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, ite
     swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _canonical_layout(
         tuple(ids[m] for m in ma), tuple(sta[m] for m in ma), tuple(group_a[m] for m in ma),
         tuple(ids[m] for m in mb), tuple(stb[m] for m in mb), tuple(group_b[m] for m in mb),
-        tuple(sizes[m] for m in inv), c_cons, c_kept, itemsize, is_complex)
+        tuple(sizes[m] for m in inv), c_cons, c_kept, itemsize, is_complex,
+        math.prod(sizes[m] for m in ids) * repeats < QUICK_MACS)
     back = lambda o: {g: [inv[i] for i in ms] for g, ms in o.items()}  # noqa: E731
     return swap, (copy_a, back(oa), cfa), (copy_b, back(ob), cfb)
 
@@ -251,6 +260,7 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
     model (:func:`~.slicer.memory_model`)."""
     slot_of_k = {m: k for k, m in enumerate(sliced)}
     sset = set(sliced)
+    nslices = math.prod(sizes[m] for m in sset)
     instrs: List = []
     count = {}
     for t in list(inputs) + [output]:
@@ -309,7 +319,8 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         group_a = {m: ("b" if count[m] > 0 else "k") if m in setb else "f" for m in ma}
         group_b = {m: ("b" if count[m] > 0 else "k") if m in seta else "f" for m in mb}
         swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes,
-                                                                       consumer[nslot], kept, itemsize, is_complex)
+                                                                       consumer[nslot], kept, itemsize, is_complex,
+                                                                       nslices)
         # X enters bmm as [Bt,M,K] (stored [Bt,K,M] if tx), Y as [Bt,K,N] (stored [Bt,N,K] if ty)
         (sx, mx, ox, fx), (sy, my, oy, fy) = ((sb, mb, ob, cfb), (sa, ma, oa, cfa)) if swap \
             else ((sa, ma, oa, cfa), (sb, mb, ob, cfb))

@@ -15,6 +15,7 @@ executor's slice tables, lazily, in chunks.
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -80,7 +81,13 @@ def parse_memory_limit(limit, device: Union[str, torch.device, None] = None) -> 
 def step_table(inputs, output, path):
     """Per pairwise step of ``path``: (frozenset of modes involved, frozenset of result modes,
     the two operands' mode sets, the steps that produced them or -1 for operands), with
-    hyperedges kept while any remaining operand or the output needs them."""
+    hyperedges kept while any remaining operand or the output needs them. A tuple, memoised:
+    the planner, the plan and the search's budget ask for the same path's table."""
+    return _step_table(tuple(map(tuple, inputs)), tuple(output), tuple(map(tuple, path)))
+
+
+@functools.lru_cache(maxsize=32)
+def _step_table(inputs, output, path):
     count: Dict[int, int] = {}
     for t in list(inputs) + [output]:
         for m in t:
@@ -106,7 +113,7 @@ def step_table(inputs, output, path):
         cur.append(res)
         prod.append(j)
         steps.append((allm, res, tuple(sets), tuple(prods)))
-    return steps
+    return tuple(steps)
 
 
 class StepCosts:
@@ -292,6 +299,8 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
     <= 0 (the mode that lowers it most). Every unsliced mode of extent > 1 that occurs in a
     step or the output is a candidate, so the limit can always be met with ``limit_elems >= 1``."""
     sliced = list(forced)
+    if limit_elems is None and (min_slices or 1) <= 1 and fits is None:
+        return sliced  # nothing to meet: the forced modes only
     sset = set(sliced)
     n = len(steps)
     res_sets = [res for _, res, _, _ in steps] + [frozenset(output)]  # the output block counts too
