@@ -179,27 +179,20 @@ inline void add_att_grad(acc_t* __restrict__ p, const acc_t* __restrict__ ds, co
   }
 }
 
-// An edge's shares in pass 1 when dz itself is not needed (no edge_attr / edge_weight
-// gradient), in one sweep over z: p[f] += ds[h] * leaky_relu(z[f]) (grad att, if p) and
-// gx[f] += ds[h] * att[f] * leaky_relu'(z[f]) (grad x_dst, if gx).
+// An edge's shares of grad att and grad x_dst in one sweep over z, for pass 1 when dz itself
+// is not needed (no edge_attr / edge_weight gradient): p[f] += ds[h] * leaky_relu(z[f]) as
+// add_att_grad() and gx[f] += ds[h] * att[f] * leaky_relu'(z[f]) as preact_grad() + add_to().
 template <typename acc_t>
 inline void add_att_dst_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, const acc_t* __restrict__ z,
                               const acc_t* __restrict__ att, const acc_t* __restrict__ ds, acc_t slope, int64_t H,
                               int64_t C) {
   for (int64_t h = 0; h < H; ++h) {
     const acc_t d = ds[h];
-    const int64_t f0 = h * C;
-    if (p && gx) {
-      for (int64_t f = f0; f < f0 + C; ++f) {
-        const acc_t v = z[f];
-        const bool pos = v > acc_t(0);
-        p[f] += d * (pos ? v : v * slope);
-        gx[f] += d * att[f] * (pos ? acc_t(1) : slope);
-      }
-    } else if (p) {
-      for (int64_t f = f0; f < f0 + C; ++f) p[f] += d * (z[f] > acc_t(0) ? z[f] : z[f] * slope);
-    } else {
-      for (int64_t f = f0; f < f0 + C; ++f) gx[f] += d * att[f] * (z[f] > acc_t(0) ? acc_t(1) : slope);
+    for (int64_t f = h * C; f < (h + 1) * C; ++f) {
+      const acc_t v = z[f];
+      const bool pos = v > acc_t(0);
+      p[f] += d * (pos ? v : v * slope);
+      gx[f] += d * att[f] * (pos ? acc_t(1) : slope);
     }
   }
 }
@@ -460,6 +453,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   const Gatv2EdgeMode mode = a.edge_mode;
   const bool want_xs = b.want_x_src, want_xd = b.want_x_dst, want_att = b.want_att;
   const bool want_ea = b.want_edge_attr, want_w = b.want_edge_weight;
+  const bool need_dz = want_xd || want_ea || want_w;
   const scalar_t* g = b.grad_out.data_ptr<scalar_t>();
   const scalar_t* ga = b.grad_alpha.defined() ? b.grad_alpha.data_ptr<scalar_t>() : nullptr;
   const scalar_t* o = b.out.data_ptr<scalar_t>();
@@ -568,11 +562,12 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
               aw_ws[e * H + h] = alphas[h] * keeps[h];
             }
           }
-          if (!want_ea && !want_w) {  // dz itself is not needed: one sweep for grad att and grad x_dst
-            if (patt || gxd) add_att_dst_grads(patt, gxd ? gxd_acc.data() : nullptr, z.data(), att, ds.data(), slope, H, C);
+          if (patt && gxd && !want_ea && !want_w) {  // one sweep for both; no dz row
+            add_att_dst_grads(patt, gxd_acc.data(), z.data(), att, ds.data(), slope, H, C);
             continue;
           }
           if (patt) add_att_grad(patt, ds.data(), z.data(), slope, H, C);
+          if (!need_dz) continue;
           preact_grad(z.data(), att, ds.data(), slope, dz.data(), H, C);
           if (gxd) add_to(gxd_acc.data(), dz.data(), HC);
           if (gea) {

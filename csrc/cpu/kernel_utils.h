@@ -60,16 +60,27 @@ struct Vec8 {
   typedef T type __attribute__((vector_size(8 * sizeof(T))));
 };
 
-template <typename T>
-inline typename Vec8<T>::type load8(const T* p) {
-  typename Vec8<T>::type r;
+// Unaligned load / store of a vector type V of T values (memcpy compiles to one vmovups).
+template <typename V, typename T>
+inline V load_vec(const T* p) {
+  V r;
   std::memcpy(&r, p, sizeof(r));
   return r;
 }
 
+template <typename V, typename T>
+inline void store_vec(T* p, const V& v) {
+  std::memcpy(p, &v, sizeof(v));
+}
+
+template <typename T>
+inline typename Vec8<T>::type load8(const T* p) {
+  return load_vec<typename Vec8<T>::type>(p);
+}
+
 template <typename T>
 inline void store8(T* p, const typename Vec8<T>::type& v) {
-  std::memcpy(p, &v, sizeof(v));
+  store_vec(p, v);
 }
 
 // The widest native vector: 64 bytes with AVX-512, else 32. For loops whose per-element order
@@ -87,14 +98,12 @@ struct VecWide {
 
 template <typename T>
 inline typename VecWide<T>::type load_wide(const T* p) {
-  typename VecWide<T>::type r;
-  std::memcpy(&r, p, sizeof(r));
-  return r;
+  return load_vec<typename VecWide<T>::type>(p);
 }
 
 template <typename T>
 inline void store_wide(T* p, const typename VecWide<T>::type& v) {
-  std::memcpy(p, &v, sizeof(v));
+  store_vec(p, v);
 }
 
 // The lanes of v summed in the fixed tree that dot() and sum8() use.

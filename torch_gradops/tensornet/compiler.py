@@ -192,15 +192,17 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
                 shared = [(list(b), list(k)) for b, k in shared]
             for rank in keys:
                 by = lambda ms: tuple(sorted(ms, key=lambda m: rank.get(m, 0)))  # noqa: E731
+                # a copied operand's free modes: the consumer's order, or (full search) also as stored
+                orders = lambda ms: {by(ms)} if quick else {by(ms), tuple(ms)}  # noqa: E731
                 for b_ord, k_ord in shared:
                     if copy_a:
                         fa = [m for m in mem_a if m in left]
-                        opts_a = [copied(0, b_ord, k_ord, f) for f in ({by(fa)} if quick else {by(fa), tuple(fa)})]
+                        opts_a = [copied(0, b_ord, k_ord, f) for f in orders(fa)]
                     else:
                         opts_a = [(0, va[0], va[1])]
                     if copy_b:
                         fb = [m for m in mem_b if m in right]
-                        opts_b = [copied(1, b_ord, k_ord, f) for f in ({by(fb)} if quick else {by(fb), tuple(fb)})]
+                        opts_b = [copied(1, b_ord, k_ord, f) for f in orders(fb)]
                     else:
                         opts_b = [(0, vb[0], vb[1])]
                     for cost_a, oa, cfa in opts_a:
