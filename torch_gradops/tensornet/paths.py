@@ -14,7 +14,11 @@ of the sliced tree, with the backward's recomputation and a charge for any furth
 memory model needs. The search runs :data:`MIN_TRIALS` trials, then more, :data:`BATCH` at a
 time, while they cost less than :data:`SEARCH_FRACTION` of the best plan's estimated time
 (:func:`wants_more`; at most 32 trials), so a contraction of milliseconds is not searched for
-seconds. The search is seeded (:data:`SEED`) and its budget counts trials, not seconds, so it
+seconds. The trials are cheap greedy trees (cotengra's subtree reconfiguration, which its own
+default search runs on every trial, costs 10-20x a trial); the winner alone is then
+reconfigured, as sliced and with its order unsliced (sliced afresh by the planner), where that
+costs at most :data:`POLISH_FRACTION` of its estimated time (:func:`worth_polishing`): on the
+benchmark lattices this cut the work of the chosen plans by 1.3-6x. The search is seeded (:data:`SEED`) and its budget counts trials, not seconds, so it
 is deterministic: every rank of a process group finds the same plan. The planner then
 schedules the chosen tree's steps heavy subtree last (:func:`heavy_last`).
 
@@ -37,7 +41,7 @@ import opt_einsum
 from cotengra.scoring import FlopsObjective
 
 __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget", "wants_more",
-           "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
+           "worth_polishing", "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
            "PATH_CACHE_ENV", "symbols"]
 
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
@@ -69,6 +73,10 @@ MAX_SEARCH_S = 2.0
 TRIAL_S_PER_OPERAND = 5e-4  # about what one greedy trial, sliced and scored, costs per operand
 MIN_TRIALS = 8            # trials of every search (cotengra's greedy trials vary a lot)
 BATCH = 4                 # further trials are run this many at a time
+RECONF_SUBTREE = 6        # leaves per reconfigured subtree (cotengra's default, 8, costs twice as much; on the
+                          # benchmark lattices and circuits it found trees no better)
+RECONF_S_PER_OPERAND = 5e-4  # about what reconfiguring one tree costs per operand (lattices of 25-36 operands)
+POLISH_FRACTION = 0.5     # of the best plan's estimated time, at most, spent reconfiguring it
 
 
 def _max_trials(n_operands: int) -> int:
@@ -102,6 +110,15 @@ def wants_more(n_operands: int, trials: int, best_macs: float) -> bool:
     :data:`NOMINAL_FLOP_RATE` (so a contraction of milliseconds is not searched for seconds).
     Counts trials, not seconds: deterministic."""
     return trials + BATCH <= _trials_worth(n_operands, 2.0 * best_macs)
+
+
+def worth_polishing(n_operands: int, best_macs: float, trees: int = 1) -> bool:
+    """Whether the search's winner, whose plan does ``best_macs`` multiply-adds (forward +
+    backward, recomputation included), is worth cotengra's subtree reconfiguration of ``trees``
+    trees (:func:`_reconfigured`, about :data:`RECONF_S_PER_OPERAND` per operand each): when that
+    costs at most :data:`POLISH_FRACTION` of the plan's time at :data:`NOMINAL_FLOP_RATE`.
+    Counts operands, not seconds: deterministic."""
+    return RECONF_S_PER_OPERAND * n_operands * trees <= POLISH_FRACTION * 2.0 * best_macs / NOMINAL_FLOP_RATE
 
 
 class BudgetedHyperOptimizer(cotengra.HyperOptimizer):
@@ -181,12 +198,14 @@ def _cache_directory(path_cache, options) -> Optional[str]:
 
 
 def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_dir=None,
-                     score=None, candidates=()) -> PathResult:
+                     score=None, candidates=(), polish: Optional[Callable[[float, int], bool]] = None) -> PathResult:
     """Run cotengra optimizers on integer modes (cotengra wants single-character symbols) and
     keep the best tree by ``score`` (its own score for a single optimizer object), also among
     ``candidates`` (``(proxy, n, tree)``, filled by the searches: :attr:`PlanObjective.top`);
     each through a ``ReusableHyperOptimizer`` on ``cache_dir`` when given (HyperOptimizer
-    options)."""
+    options). When ``polish(work, trees)`` says the winner is worth it, its reconfigurations
+    (:func:`_reconfigured`) compete too; this runs after a cache hit as well, so that a cached
+    and a fresh search give the same plan."""
     sym = symbols(sizes)
     back = {v: k for k, v in sym.items()}
     c_in = [[sym[m] for m in t] for t in inputs]
@@ -213,9 +232,24 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
             value = score(tree)
             if value < best[0]:
                 best = (value, tree)
+    if score is not None and polish is not None and polish(best[0], 1 + bool(best[1].sliced_inds)):
+        polished = [(score(t), t) for t in _reconfigured(best[1], c_in, c_out, c_sizes)]
+        best = min([best] + polished, key=lambda x: x[0])
     tree = best[1]
     return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], name, searched,
                       time.perf_counter() - t0 if searched else 0.0)
+
+
+def _reconfigured(tree, inputs, output, size_dict) -> list:
+    """The chosen tree after cotengra's subtree reconfiguration (locally optimal subtrees, the
+    refinement its default search gives every trial; 10-20x the cost of a greedy trial, so the
+    budgeted search runs it on the winner only): the tree as sliced, and its contraction order
+    unsliced (the planner then slices it afresh, which may slice other modes)."""
+    unsliced = cotengra.ContractionTree.from_path(inputs, output, size_dict, path=tree.get_path())
+    out = [_seeded(lambda: unsliced.subtree_reconfigure(subtree_size=RECONF_SUBTREE, minimize="flops"))]
+    if tree.sliced_inds:
+        out.append(_seeded(lambda: tree.subtree_reconfigure(subtree_size=RECONF_SUBTREE, minimize="flops")))
+    return out
 
 
 def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callable[[int], bool]) -> List[dict]:
@@ -287,7 +321,8 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k not in ("minimize", "more")))
                         for o in opts)
             return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
-                                    score=select, candidates=obj.top if isinstance(obj, PlanObjective) else ())
+                                    score=select, candidates=obj.top if isinstance(obj, PlanObjective) else (),
+                                    polish=lambda work, trees: worth_polishing(n, work, trees))
         try:
             fn = opt_einsum.paths.get_path_fn(name)
         except KeyError:
