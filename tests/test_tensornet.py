@@ -1146,3 +1146,84 @@ def test_transposed_gemm_layouts(expr):
         _, cache = torch.ops.torch_gradops.contract_program_cached([a, b], prog_l, [], [1, 1])
         torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
                               ([a, b], prog_l, [], _rand((2, 4), C128, gen), [1, 1], cache))
+
+
+def _place_checkpoints_quadratic(costs, cap, copies=None, complex_=False):
+    """place_checkpoints as first written (the test's oracle): for each last checkpoint b, the
+    greedy segments of [0, b) built step by step, then memory_model of the placement."""
+    from torch_gradops.tensornet import slicer
+    n = len(costs.result)
+    trans = slicer._transients(costs, copies, complex_)
+    whole = slicer.memory_model(costs, (), copies, complex_, trans)
+    if cap is None or whole <= cap or n <= 1:
+        return whole, [], 0
+    item = lambda j, lo: costs.result[j] + (0 if copies is None else  # noqa: E731
+                                            sum(costs.result[p] for p in copies[j][0] if p < lo))
+    best, prefix_macs = (whole, [], 0), 0
+    for b in range(1, n):
+        prefix_macs += costs.macs[b - 1]
+        live = sum(costs.result[j] for j in range(b) if costs.consumer[j] >= b)
+        if live + sum(costs.result[b:]) + max(trans[b:]) > cap:
+            continue  # the last segment cannot fit: not a candidate
+        bounds, cross, lo, broken = [], 0, 0, False
+        while lo < b:
+            held, top, hi, need = 0, 0, lo, 0
+            while hi < b:
+                n2 = cross + held + item(hi, lo) + max(top, trans[hi])
+                if n2 > cap and hi > lo:
+                    break
+                held, top, need, hi = held + item(hi, lo), max(top, trans[hi]), n2, hi + 1
+            broken |= need > cap
+            bounds += [lo] if lo else []
+            cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
+            lo = hi
+        if broken:
+            continue
+        peak = slicer.memory_model(costs, bounds + [b], copies, complex_, trans)
+        if peak <= cap:
+            return peak, bounds + [b], prefix_macs
+        if peak < best[0]:
+            best = (peak, bounds + [b], prefix_macs)
+    if best[1] == []:
+        every = list(range(1, n))
+        peak = slicer.memory_model(costs, every, copies, complex_, trans)
+        if peak < best[0]:
+            best = (peak, every, sum(costs.macs[:-1]))
+    return best
+
+
+def test_place_checkpoints_matches_the_quadratic_placement():
+    """place_checkpoints reads every candidate placement's peak off one greedy pass (linear in
+    the steps): the same placements, peaks and recomputation as building each placement and
+    modelling it (the quadratic oracle above), on random contraction trees with and without the
+    layout's copies, for caps that fit, that fit only with checkpoints and that nothing fits;
+    the peak it reports is memory_model's of its checkpoints."""
+    from types import SimpleNamespace
+    from torch_gradops.tensornet import slicer
+    rng = random.Random(7)
+    kinds = set()
+    for _ in range(3000):
+        pool, result, macs, inputs, made_by = [(-1, rng.randint(1, 64)) for _ in range(rng.randint(2, 24))], [], [], [], []
+        while len(pool) > 1:
+            (pa, ea), (pb, eb) = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
+            r = rng.choice([1, 4, 16, 256]) * rng.randint(1, 8)
+            result.append(r), macs.append(r * rng.randint(1, 64)), inputs.append((ea, eb)), made_by.append((pa, pb))
+            pool.append((len(result) - 1, r))
+        n = len(result)
+        consumer = [n] * n
+        for j, prods in enumerate(made_by):
+            for p in prods:
+                if p >= 0:
+                    consumer[p] = j
+        costs = SimpleNamespace(result=result, macs=macs, inputs=inputs, from_step=made_by, consumer=consumer)
+        copies = None if rng.random() < 0.4 else [
+            (tuple(p for p in made_by[j] if p >= 0 and rng.random() < 0.4), rng.random() < 0.3) for j in range(n)]
+        cx = rng.random() < 0.3
+        whole = slicer.memory_model(costs, (), copies, cx)
+        cap = rng.choice([None, whole, whole * rng.random(), whole * 0.3 * rng.random(), rng.randint(1, 500)])
+        got = slicer.place_checkpoints(costs, cap, copies, cx)
+        want = _place_checkpoints_quadratic(costs, cap, copies, cx)
+        assert (got[0], list(got[1]), got[2]) == (want[0], list(want[1]), want[2])
+        assert got[0] == slicer.memory_model(costs, got[1], copies, cx)
+        kinds.add((bool(got[1]), cap is not None and got[0] <= cap))
+    assert kinds == {(False, False), (False, True), (True, False), (True, True)}

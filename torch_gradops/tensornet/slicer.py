@@ -223,71 +223,78 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     lowest-peak placement found when none fits (the caller then slices more).
 
     The executor recomputes, once, every step before the last checkpoint; so the cost depends
-    only on the last checkpoint, which goes as early as the memory allows, and the earlier ones
-    are placed greedily (each segment as long as the cap allows)."""
+    only on the last checkpoint ``b``, which goes as early as the memory allows, and the
+    earlier ones are placed greedily (each segment as long as the cap allows). The greedy
+    segments do not depend on ``b`` (it only cuts the segment it falls in), so one greedy pass
+    serves every ``b`` and each placement's peak is read off running totals: linear in the
+    steps, where a placement per ``b`` would be quadratic (the planner calls this for every
+    candidate slicing)."""
     n = len(costs.result)
+    if n == 0:
+        return 0, [], 0
+    result, consumer = costs.result, costs.consumer
     trans = _transients(costs, copies, complex_)
-    whole = memory_model(costs, (), copies, complex_, trans)
+    whole = sum(result) + max(trans)  # memory_model without checkpoints: one segment
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0
-    item = list(costs.result)
-    # live(b): intermediates made before step b and read at or after it (all checkpointed)
-    consumed_at = [0] * (n + 1)
-    for j in range(n):
-        consumed_at[costs.consumer[j]] += costs.result[j]
+    copied_from = [() if copies is None else copies[j][0] for j in range(n)]
+    # live[b]: intermediates made before step b and read at or after it (all checkpointed);
+    # copied_live[b]: those of them whose reader copies them (the last segment holds the copy)
     live = [0] * (n + 1)
+    copied_live = [0] * (n + 1)
+    consumed_at = [0] * (n + 1)
+    copied_at = [0] * (n + 1)
+    is_copied = [False] * n
+    for j in range(n):
+        consumed_at[consumer[j]] += result[j]
+        for p in copied_from[j]:
+            is_copied[p] = True
+            copied_at[j] += result[p]
     for b in range(n):
-        live[b + 1] = live[b] + costs.result[b] - consumed_at[b]
+        live[b + 1] = live[b] + result[b] - consumed_at[b]
+        copied_live[b + 1] = copied_live[b] + (result[b] if is_copied[b] else 0) - copied_at[b]
     tail_held = [0] * (n + 1)
     tail_trans = [0] * (n + 1)
     for b in range(n - 1, -1, -1):
-        tail_held[b] = tail_held[b + 1] + item[b]
+        tail_held[b] = tail_held[b + 1] + result[b]
         tail_trans[b] = max(tail_trans[b + 1], trans[b])
-    best = (whole, [], 0)
-    prefix_macs = 0
+    best, prefix_macs = (whole, [], 0), 0
+    # One greedy pass: the current segment starts at ``lo`` (``starts``: every segment's
+    # start), holds ``held`` elements with largest transient ``top`` on top of ``cross``
+    # checkpointed elements of the earlier segments, whose peaks were ``prior_peak``.
+    starts, lo, cross, prior_peak, held, top, broken = [0], 0, 0, 0, 0, 0, False
     for b in range(1, n):
-        prefix_macs += costs.macs[b - 1]
-        if live[b] + tail_held[b] + tail_trans[b] > cap:
+        j = b - 1  # the step that joins the current segment, or starts the next
+        prefix_macs += costs.macs[j]
+        add = result[j] + sum(result[p] for p in copied_from[j] if p < lo)
+        if j > lo and cross + held + add + max(top, trans[j]) > cap:  # close segment [lo, j)
+            prior_peak = max(prior_peak, cross + held + top)
+            cross += sum(result[i] for i in range(lo, j) if consumer[i] >= j)
+            lo, held, top = j, 0, 0
+            starts.append(lo)
+            add = result[j] + copied_at[j]  # a segment's first step copies every intermediate it reads
+        held, top = held + add, max(top, trans[j])
+        broken |= j == lo and cross + held + top > cap  # a step alone does not fit: no later b does
+        if broken or live[b] + tail_held[b] + tail_trans[b] > cap:
             continue  # even with nothing else checkpointed the last segment does not fit
-        bounds = _greedy_segments(costs, copies, trans, b, cap)
-        if bounds is None:
-            continue
-        peak = memory_model(costs, bounds, copies, complex_, trans)
+        # checkpoints at the greedy starts before b and at b: segment [lo, b) cut at b
+        cut_cross = cross + sum(result[i] for i in range(lo, b) if consumer[i] >= b)
+        peak = max(prior_peak, cross + held + top,
+                   cut_cross + tail_held[b] + copied_live[b] + tail_trans[b])
+        bounds = starts[1:] + [b]
         if peak <= cap:
             return peak, bounds, prefix_macs
         if peak < best[0]:
             best = (peak, bounds, prefix_macs)
     if best[1] == [] and n > 1:  # nothing fits: the lowest-peak placement (a checkpoint per step)
-        every = list(range(1, n))
-        peak = memory_model(costs, every, copies, complex_, trans)
+        # memory_model with a segment per step: every earlier result is checkpointed
+        peak, made = 0, 0
+        for j in range(n):
+            peak = max(peak, made + result[j] + copied_at[j] + trans[j])
+            made += result[j]
         if peak < best[0]:
-            best = (peak, every, sum(costs.macs[:-1]))
+            best = (peak, list(range(1, n)), sum(costs.macs[:-1]))
     return best
-
-
-def _greedy_segments(costs, copies, trans, last, cap) -> Optional[List[int]]:
-    """Boundaries of segments covering steps ``[0, last)`` (each as long as ``cap`` allows) and
-    ``last``; None when a single step does not fit. Each segment grows step by step with its
-    held elements (:func:`_step_items`) and largest transient kept as running totals."""
-    result, consumer = costs.result, costs.consumer
-    bounds, cross, lo = [], 0, 0
-    while lo < last:
-        held, top, hi, need = 0, 0, lo, 0
-        while hi < last:
-            add = _step_items(costs, copies, hi, lo)
-            n2 = cross + held + add + max(top, trans[hi])
-            if n2 > cap and hi > lo:
-                break
-            held, top, need = held + add, max(top, trans[hi]), n2
-            hi += 1
-        if need > cap:
-            return None
-        if lo:
-            bounds.append(lo)
-        cross += sum(result[j] for j in range(lo, hi) if consumer[j] >= hi)
-        lo = hi
-    bounds.append(last)
-    return bounds
 
 
 # ---------------------------------------------------------------------------- sliced modes
