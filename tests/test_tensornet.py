@@ -860,6 +860,42 @@ def test_winner_is_reconfigured_when_worth_it(monkeypatch):
     torch.testing.assert_close(polished.contract(*arrays).double(), want, rtol=1e-4, atol=1e-6 * want.abs().item())
 
 
+def test_split_layout_is_modelled_and_split_further_when_over_the_cap(monkeypatch):
+    """Mode splits are chosen on the unsplit network's GEMM layout; the split network's own
+    layout may copy more. The plan's checkpoints and modelled peak come from the split layout,
+    and where that is over the cap the planner splits further: on the 6x6 lattice of bond 8 at
+    4 MiB with the search's winner not reconfigured, the split plan was modelled at 4.4 x the
+    limit (over the 3.5 x cap and the 4 x contract). Now within the cap, within the measured
+    contract, and the values and gradients equal a float64 reference."""
+    from torch_gradops.tensornet import paths, slicer
+    monkeypatch.setattr(paths, "worth_polishing", lambda *a, **k: False)
+    inputs, output, arrays = lattice_network(6, 6, 8, seed=0)
+    limit = 4 << 20
+    tn.clear_plan_cache()
+    try:
+        p = tn.plan(*interleave(inputs, arrays, output), memory_limit=limit)
+    finally:
+        tn.clear_plan_cache()
+    assert any(isinstance(m, tn.ModeChunks) for m in p.sliced_modes), p
+    assert p.modelled_peak <= slicer.MODEL_CAP * limit, p
+    leaves = [a.clone().requires_grad_(True) for a in arrays]
+    got = [None]
+
+    def run():
+        out = p.contract(*leaves)
+        got[0] = (out.detach(), torch.autograd.grad(out, leaves))
+    run()
+    assert _peak_bytes(run) <= _contract_bound(limit, arrays, 4)
+    sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+    greedy = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), sizes)
+    ref = [a.double().requires_grad_(True) for a in arrays]
+    want = einsum_pairwise(inputs, output, ref, greedy)
+    want_grads = torch.autograd.grad(want, ref)
+    torch.testing.assert_close(got[0][0].double(), want.detach(), rtol=1e-4, atol=1e-6 * want.abs().item())
+    for a, b in zip(got[0][1], want_grads):
+        torch.testing.assert_close(a.double(), b, rtol=1e-3, atol=1e-4 * b.abs().max().item())
+
+
 def test_heavy_last_schedule_keeps_the_tree_and_cuts_recomputation():
     """paths.heavy_last reorders a path's steps (depth first, the heavier subtree of each step
     last): the same contraction tree, so the same values; under a memory limit the planner's

@@ -390,17 +390,39 @@ class _Slicing:
 
 def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex):
     """``(network, sliced, checkpoints, copies)`` with the planner's mode splits applied (the
-    chunk modes sliced after the whole ones) and the checkpoints placed on its compiled layout."""
-    if splits:
-        network, chunk = parser.split_modes(network, splits)
-        sliced = list(sliced) + [chunk[m] for m in sorted(splits)]
-    if cap is None:  # no limit, no checkpoints: the plan's own compilation gives the copies
-        return network, sliced, [], None
-    steps = slicer.step_table(network.inputs, network.output, path)
-    copies = _copies(network, path, sliced, itemsize, is_complex)
-    _, checkpoints, _ = slicer.place_checkpoints(slicer.step_costs(steps, network.sizes, sliced), cap, copies,
-                                                 is_complex)
-    return network, sliced, checkpoints, copies
+    chunk modes sliced after the whole ones) and the checkpoints placed on its compiled layout.
+
+    The splits were chosen on the unsplit network's layout; the split network's own layout can
+    copy more (other GEMM layouts), so when its modelled peak is over ``cap`` it is split or
+    sliced further (:func:`~.slicer.split_to_fit` on the split network, its modes merged into
+    the original ones' splits) and laid out again, a few rounds at most."""
+    sliced, splits = list(sliced), dict(splits)
+    for _ in range(4):
+        net, chunk = parser.split_modes(network, splits) if splits else (network, {})
+        all_sliced = sliced + [chunk[m] for m in sorted(splits)]
+        if cap is None:  # no limit, no checkpoints: the plan's own compilation gives the copies
+            return net, all_sliced, [], None
+        steps = slicer.step_table(net.inputs, net.output, path)
+        copies = _copies(net, path, all_sliced, itemsize, is_complex)
+        peak, checkpoints, _ = slicer.place_checkpoints(slicer.step_costs(steps, net.sizes, all_sliced), cap,
+                                                        copies, is_complex)
+        if peak <= cap:
+            break
+
+        def peak_of(costs, copies=copies):
+            pk, _, recompute = slicer.place_checkpoints(costs, cap, copies, is_complex)
+            return pk, recompute
+        # split_to_fit's candidates are unsliced modes: ids of the original network (a split mode
+        # keeps its id for the part within a chunk)
+        more, whole = slicer.split_to_fit(steps, net.sizes, net.output, all_sliced, cap, peak_of)
+        if not more and not whole:
+            break
+        for m, f in more.items():
+            splits[m] = splits.get(m, 1) * f
+        for m in whole:  # a split mode whose chunks are sliced whole is sliced whole
+            splits.pop(m, None)
+            sliced.append(m)
+    return net, all_sliced, checkpoints, copies
 
 
 @torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling
