@@ -66,11 +66,16 @@ def run_worker(script: str, args: list[str], timeout: float = 1800, env: dict | 
                worker_flag: str | None = "--worker") -> dict:
     """Run one configuration in a fresh Python process (``script [worker_flag] args``), which
     prints its result as the last JSON line; adds ``process_wall_s``. On failure returns
-    ``{"error": last lines of its output}``."""
+    ``{"error": last lines of its output}`` (also when it runs past ``timeout`` seconds)."""
     cmd = [sys.executable, script] + ([worker_flag] if worker_flag else []) + list(args)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          env=None if env is None else {**os.environ, **env})
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                              env=None if env is None else {**os.environ, **env})
+    except subprocess.TimeoutExpired as e:  # one configuration's timeout must not lose the others
+        out = e.stderr or e.stdout or b""
+        out = out.decode(errors="replace") if isinstance(out, bytes) else out
+        return {"error": f"timed out after {timeout} s: {out[-1500:]}", "returncode": None}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"error": (proc.stderr or proc.stdout)[-2000:], "returncode": proc.returncode}

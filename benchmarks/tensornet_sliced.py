@@ -19,7 +19,8 @@ The targets of issue 12, each configuration in a fresh process (2 threads):
 Times: ``plan_s`` (path search and slicing; for ours everything ``tn.plan`` does), ``run_s``
 (median of the steady-state forward + backward, or forward) and ``total_s = plan_s + run_s``
 (what a single call costs, planning included: the targets compare this); ``run_s`` is the
-median of about a second of runs (at least 3); ``--repeat N`` runs each configuration's timing
+median of 3-20 runs, as many as fit in about a second after the first (at most 1 for runs of 5 s
+or more); ``--repeat N`` runs each configuration's timing
 process N times, alternating between the implementations, and keeps the fastest. Peak memory:
 the growth of the process's resident-set high-water mark over one forward + backward
 (``torch_gradops.testing.PeakMemory``), measured in a separate process with glibc's mmap
@@ -199,7 +200,7 @@ def worker(spec, impl):
     out = run()
     res["first_run_s"] = time.perf_counter() - t0
     if spec.get("measure") != "peak":
-        # about a second of repeats for short runs (this VM's noise comes in bursts), 3 or 1 for long ones
+        # 3-20 repeats, about a second's worth (this VM's noise comes in bursts); 1 for runs of 5 s or more
         reps = 1 if res["first_run_s"] >= 5 else max(3, min(20, int(1.0 / max(res["first_run_s"], 1e-3))))
         res["run_s"] = _median(run, reps)
         res["total_s"] = res["plan_s"] + res["run_s"]
@@ -294,6 +295,8 @@ def main():
         for spec, impl in chosen:
             key = (json.dumps(spec, sort_keys=True), impl)
             t = run_worker(__file__, [json.dumps(spec), impl], timeout=1800, env=env)
+            print(f"  timing {rep + 1}/{args.repeat}: {_name(spec):55s} {impl:13s} "
+                  + (f"total {t['total_s']:.3f} s" if "error" not in t else "ERROR"), flush=True)
             r = best.get(key)
             if r is None or "error" in r or ("error" not in t and t["total_s"] < r["total_s"]):
                 best[key] = t

@@ -395,9 +395,11 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
     The splits were chosen on the unsplit network's layout; the split network's own layout can
     copy more (other GEMM layouts), so when its modelled peak is over ``cap`` it is split or
     sliced further (:func:`~.slicer.split_to_fit` on the split network, its modes merged into
-    the original ones' splits) and laid out again, a few rounds at most."""
+    the original ones' splits) and laid out again, a few rounds at most (then the round with the
+    lowest modelled peak)."""
     sliced, splits = list(sliced), dict(splits)
-    for _ in range(4):
+    rounds, best = 4, None
+    for r in range(rounds):
         net, chunk = parser.split_modes(network, splits) if splits else (network, {})
         all_sliced = sliced + [chunk[m] for m in sorted(splits)]
         if cap is None:  # no limit, no checkpoints: the plan's own compilation gives the copies
@@ -406,7 +408,9 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
         copies = _copies(net, path, all_sliced, itemsize, is_complex)
         peak, checkpoints, _ = slicer.place_checkpoints(slicer.step_costs(steps, net.sizes, all_sliced), cap,
                                                         copies, is_complex)
-        if peak <= cap:
+        if best is None or peak < best[0]:
+            best = (peak, (net, all_sliced, checkpoints, copies))
+        if peak <= cap or r == rounds - 1:
             break
 
         def peak_of(costs, copies=copies):
@@ -422,7 +426,7 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
         for m in whole:  # a split mode whose chunks are sliced whole is sliced whole
             splits.pop(m, None)
             sliced.append(m)
-    return net, all_sliced, checkpoints, copies
+    return best[1]
 
 
 @torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling

@@ -227,8 +227,9 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     earlier ones are placed greedily (each segment as long as the cap allows). The greedy
     segments do not depend on ``b`` (it only cuts the segment it falls in), so one greedy pass
     serves every ``b`` and each placement's peak is read off running totals: linear in the
-    steps, where a placement per ``b`` would be quadratic (the planner calls this for every
-    candidate slicing)."""
+    steps (and the copies), where a placement per ``b`` would be quadratic (the planner calls
+    this for every candidate slicing). ``copies[j][0]`` lists producers of step ``j``'s own
+    operands, as :func:`~.compiler.compile_program` reports them."""
     n = len(costs.result)
     if n == 0:
         return 0, [], 0
@@ -262,25 +263,27 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     # One greedy pass: the current segment starts at ``lo`` (``starts``: every segment's
     # start), holds ``held`` elements with largest transient ``top`` on top of ``cross``
     # checkpointed elements of the earlier segments, whose peaks were ``prior_peak``.
-    starts, lo, cross, prior_peak, held, top, broken = [0], 0, 0, 0, 0, 0, False
+    # ``out_of``: elements made in [lo, b) and read at or after b (checkpointed at b).
+    starts, lo, cross, prior_peak, held, top, out_of, broken = [0], 0, 0, 0, 0, 0, 0, False
     for b in range(1, n):
         j = b - 1  # the step that joins the current segment, or starts the next
         prefix_macs += costs.macs[j]
         add = result[j] + sum(result[p] for p in copied_from[j] if p < lo)
         if j > lo and cross + held + add + max(top, trans[j]) > cap:  # close segment [lo, j)
             prior_peak = max(prior_peak, cross + held + top)
-            cross += sum(result[i] for i in range(lo, j) if consumer[i] >= j)
-            lo, held, top = j, 0, 0
+            cross += out_of
+            lo, held, top, out_of = j, 0, 0, 0
             starts.append(lo)
             add = result[j] + copied_at[j]  # a segment's first step copies every intermediate it reads
         held, top = held + add, max(top, trans[j])
+        # step j reads its operands (no longer read after it) and makes a result read later
+        out_of += result[j] - sum(result[p] for p in costs.from_step[j] if p >= lo)
         broken |= j == lo and cross + held + top > cap  # a step alone does not fit: no later b does
         if broken or live[b] + tail_held[b] + tail_trans[b] > cap:
             continue  # even with nothing else checkpointed the last segment does not fit
         # checkpoints at the greedy starts before b and at b: segment [lo, b) cut at b
-        cut_cross = cross + sum(result[i] for i in range(lo, b) if consumer[i] >= b)
         peak = max(prior_peak, cross + held + top,
-                   cut_cross + tail_held[b] + copied_live[b] + tail_trans[b])
+                   cross + out_of + tail_held[b] + copied_live[b] + tail_trans[b])
         bounds = starts[1:] + [b]
         if peak <= cap:
             return peak, bounds, prefix_macs
