@@ -860,6 +860,35 @@ def test_winner_is_reconfigured_when_worth_it(monkeypatch):
     torch.testing.assert_close(polished.contract(*arrays).double(), want, rtol=1e-4, atol=1e-6 * want.abs().item())
 
 
+def test_step_costs_rescaled_match_a_fresh_table():
+    """StepCosts.rescaled (one mode's extent changed, in the time of that mode's steps) gives
+    the table a fresh StepCosts computes, for modes chunked and sliced, on lattice and circuit
+    step tables, including repeated rescaling."""
+    from torch_gradops.tensornet import slicer
+    rng = random.Random(5)
+    fields = ("macs", "result", "inputs", "from_step", "consumer")
+    for inputs, output, arrays in (lattice_network(4, 5, 4, seed=2), circuit_amplitude_network(3, 3, 6, seed=1)):
+        sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+        path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+        steps = slicer.step_table(inputs, output, path)
+        where = slicer.mode_steps(steps)
+        for _ in range(20):
+            cur, sliced = dict(sizes), set()
+            costs = slicer.StepCosts(steps, cur, sliced)
+            for _ in range(3):
+                m = rng.choice(sorted(m for m in where if m not in sliced and cur[m] > 1))
+                e = cur[m]
+                new = rng.choice([1] + [d for d in range(1, e) if e % d == 0])
+                if new == 1:
+                    sliced.add(m)
+                else:
+                    cur[m] = new
+                costs = costs.rescaled(where[m], e, new)
+                fresh = slicer.StepCosts(steps, cur, sliced)
+                for f in fields:
+                    assert list(getattr(costs, f)) == list(getattr(fresh, f)), f
+
+
 def test_split_layout_is_modelled_and_split_further_when_over_the_cap(monkeypatch):
     """Mode splits are chosen on the unsplit network's GEMM layout; the split network's own
     layout may copy more. The plan's checkpoints and modelled peak come from the split layout,

@@ -23,7 +23,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-__all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs",
+__all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
            "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
            "slicing_work", "STEP_OVERHEAD_MACS", "Slices"]
 
@@ -137,6 +137,26 @@ class StepCosts:
                 if p >= 0:
                     self.consumer[p] = j
 
+    def rescaled(self, where: Tuple[Tuple[int, ...], ...], old: int, new: int) -> "StepCosts":
+        """These costs with one mode's extent ``old`` -> ``new`` (1: sliced), where ``where`` is
+        :func:`mode_steps`' entry for that mode: what a fresh table computes, in the time of the
+        steps that mode is in (the slicer tries every candidate mode this way)."""
+        in_all, in_res, in_a, in_b = where
+        c = StepCosts.__new__(StepCosts)
+        c.macs, c.result, c.inputs = list(self.macs), list(self.result), list(self.inputs)
+        c.from_step, c.consumer = self.from_step, self.consumer
+        for j in in_all:
+            c.macs[j] = c.macs[j] // old * new
+        for j in in_res:
+            c.result[j] = c.result[j] // old * new
+        for j in in_a:
+            a, b = c.inputs[j]
+            c.inputs[j] = (a // old * new, b)
+        for j in in_b:
+            a, b = c.inputs[j]
+            c.inputs[j] = (a, b // old * new)
+        return c
+
     @property
     def largest(self) -> int:
         return max(self.result, default=1)
@@ -147,6 +167,19 @@ class StepCosts:
 
 def step_costs(steps, sizes, sliced) -> StepCosts:
     return StepCosts(steps, sizes, set(sliced))
+
+
+def mode_steps(steps) -> Dict[int, Tuple[Tuple[int, ...], ...]]:
+    """Per mode, the steps it is in: ``(involved, in the result, in operand a, in operand b)``,
+    for :meth:`StepCosts.rescaled`."""
+    out: Dict[int, Tuple[List[int], ...]] = {}
+    for j, (allm, res, (a, b), _) in enumerate(steps):
+        for m in allm:
+            out.setdefault(m, ([], [], [], []))[0].append(j)
+        for k, group in ((1, res), (2, a), (3, b)):
+            for m in group:
+                out[m][k].append(j)
+    return {m: tuple(map(tuple, v)) for m, v in out.items()}
 
 
 # ---------------------------------------------------------------------------- memory model
@@ -448,6 +481,7 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
     peak, rec = peak_of(costs)
     work = slicing_work(costs, nslices, rec)
     res_sets = [res for _, res, _, _ in steps]
+    where = mode_steps(steps)
     while peak > cap:
         largest = max(costs.result)
         cands = sorted({m for j, r in enumerate(res_sets) if 16 * costs.result[j] >= largest for m in r
@@ -459,7 +493,7 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
                 s2 = dict(sizes)
                 s2[m] = e // f
                 set2 = sset | {m} if f == e else sset
-                c2 = StepCosts(steps, s2, set2)
+                c2 = costs.rescaled(where[m], e, 1 if f == e else e // f)
                 pk, rc = peak_of(c2)
                 if pk >= peak:
                     continue
