@@ -19,10 +19,10 @@ The targets of issue 12, each configuration in a fresh process (2 threads):
 Times: ``plan_s`` (path search and slicing; for ours everything ``tn.plan`` does), ``run_s``
 (median of the steady-state forward + backward, or forward) and ``total_s = plan_s + run_s``
 (what a single call costs, planning included: the targets compare this); ``run_s`` is the
-median of 3-20 runs, as many as fit in about a second after the first (at most 1 for runs of 5 s
-or more); ``--repeat N`` runs each configuration's timing
-process N times, alternating between the implementations, and keeps the fastest. Peak memory:
-the growth of the process's resident-set high-water mark over one forward + backward
+median of 3-20 runs, as many as fit in about a second after the first (1 for runs of 5 s or
+more); ``--repeat N`` runs each configuration's timing process N times, alternating between
+the implementations, and keeps the fastest. Peak memory: the growth of the process's
+resident-set high-water mark over one forward + backward
 (``torch_gradops.testing.PeakMemory``), measured in a separate process with glibc's mmap
 threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors go back to the
 OS instead of staying in the heap as slack: every page touched, an upper bound on tensor
@@ -290,18 +290,16 @@ def main():
               if not args.match or args.match in _name(spec)]
     # The timing processes of one network and limit alternate between the implementations
     # (ours, peer, ours, peer, ...), so that a slow spell of this shared VM hits both alike.
-    best = {}
+    best = [None] * len(chosen)
     for rep in range(args.repeat):
-        for spec, impl in chosen:
-            key = (json.dumps(spec, sort_keys=True), impl)
+        for i, (spec, impl) in enumerate(chosen):
             t = run_worker(__file__, [json.dumps(spec), impl], timeout=1800, env=env)
             print(f"  timing {rep + 1}/{args.repeat}: {_name(spec):55s} {impl:13s} "
                   + (f"total {t['total_s']:.3f} s" if "error" not in t else "ERROR"), flush=True)
-            r = best.get(key)
+            r = best[i]
             if r is None or "error" in r or ("error" not in t and t["total_s"] < r["total_s"]):
-                best[key] = t
-    for spec, impl in chosen:
-        r = best[(json.dumps(spec, sort_keys=True), impl)]
+                best[i] = t
+    for (spec, impl), r in zip(chosen, best):
         if "error" not in r:
             m = run_worker(__file__, [json.dumps(dict(spec, measure="peak", check_grads=False)), impl], timeout=1800,
                            env={**env, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})

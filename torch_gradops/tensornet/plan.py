@@ -328,10 +328,7 @@ class _Slicing:
 
     def _peak_of(self, copies):
         """``costs -> (modelled peak, recomputed multiply-adds)`` with the best checkpoints."""
-        def peak_of(costs):
-            peak, _, recompute = slicer.place_checkpoints(costs, self.cap, copies, self.is_complex)
-            return peak, recompute
-        return peak_of
+        return _checkpointed_peak(self.cap, copies, self.is_complex)
 
     def _chunked(self, steps, sliced, peak_of):
         """``(splits, sliced)``: :func:`~.slicer.chunk_sliced` under a limit; else unchanged."""
@@ -388,6 +385,15 @@ class _Slicing:
         return work
 
 
+def _checkpointed_peak(cap, copies, is_complex):
+    """``costs -> (modelled peak, recomputed multiply-adds)`` with the best checkpoints within
+    ``cap`` (:func:`~.slicer.place_checkpoints` on a layout with ``copies``)."""
+    def peak_of(costs):
+        peak, _, recompute = slicer.place_checkpoints(costs, cap, copies, is_complex)
+        return peak, recompute
+    return peak_of
+
+
 def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex):
     """``(network, sliced, checkpoints, copies)`` with the planner's mode splits applied (the
     chunk modes sliced after the whole ones) and the checkpoints placed on its compiled layout.
@@ -412,13 +418,10 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
             best = (peak, (net, all_sliced, checkpoints, copies))
         if peak <= cap or r == rounds - 1:
             break
-
-        def peak_of(costs, copies=copies):
-            pk, _, recompute = slicer.place_checkpoints(costs, cap, copies, is_complex)
-            return pk, recompute
         # split_to_fit's candidates are unsliced modes: ids of the original network (a split mode
         # keeps its id for the part within a chunk)
-        more, whole = slicer.split_to_fit(steps, net.sizes, net.output, all_sliced, cap, peak_of)
+        more, whole = slicer.split_to_fit(steps, net.sizes, net.output, all_sliced, cap,
+                                          _checkpointed_peak(cap, copies, is_complex))
         if not more and not whole:
             break
         for m, f in more.items():

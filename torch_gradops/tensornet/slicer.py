@@ -490,9 +490,6 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
         for m in cands:
             e = sizes[m]
             for f in ([e] if m in out else _divisors(e)[:1]):  # halved (a split mode may be split again)
-                s2 = dict(sizes)
-                s2[m] = e // f
-                set2 = sset | {m} if f == e else sset
                 c2 = costs.rescaled(where[m], e, 1 if f == e else e // f)
                 pk, rc = peak_of(c2)
                 if pk >= peak:
@@ -500,10 +497,14 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
                 wk = slicing_work(c2, nslices * f, rc)
                 key = (0, wk) if pk <= cap else (1, math.log(max(wk, 1.0) / max(work, 1.0)) / math.log(peak / pk))
                 if best is None or key < best[0]:
-                    best = (key, m, f, s2, set2, c2, pk, wk)
+                    best = (key, m, f, c2, pk, wk)
         if best is None:
             break
-        _, m, f, sizes, sset, costs, peak, work = best
+        _, m, f, costs, peak, work = best
+        sizes = dict(sizes)
+        sizes[m] //= f
+        if sizes[m] == 1:
+            sset = sset | {m}
         nslices *= f
         if m in sset:  # sliced whole (a split mode's chunks sliced whole: the mode sliced whole)
             whole.append(m)
