@@ -833,9 +833,10 @@ def _tree_of(path, n):
 def test_winner_is_reconfigured_when_worth_it(monkeypatch):
     """The search's winner is reconfigured (cotengra's subtree reconfiguration, as sliced and with
     its order unsliced) when that costs at most a fraction of its plan's estimated time: never a
-    worse plan, and on the 6x6 lattice of bond 8 at 4 MiB a plan of one slice instead of four
-    (its greedy trials alone leave 6.7e9 FLOPs in four slices, their best reconfigured 1.0e9
-    in one). Deterministic: the same plan again after the plan cache is cleared."""
+    worse plan, and on the 6x6 lattice of bond 8 at 4 MiB a plan of one slice instead of several
+    (its greedy trials alone leave 6.7e9 FLOPs in four slices, eight once the split layout is
+    checked against the cap; their best reconfigured 1.0e9 in one). Deterministic: the same
+    plan again after the plan cache is cleared."""
     from torch_gradops.tensornet import paths, slicer
     assert not paths.worth_polishing(36, 1e6) and paths.worth_polishing(36, 1e10)
     assert paths.worth_polishing(36, 3e9, trees=1) and not paths.worth_polishing(36, 3e9, trees=2)
