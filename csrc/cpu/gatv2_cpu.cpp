@@ -1,9 +1,11 @@
 // CPU kernels for the fused GATv2 ops (schemas and the math in ../gatv2.h, ../gatv2.cpp).
 //
 // Forward: one pass per destination over its incoming edges, all heads at once, with an online
-// softmax. Per edge: z = x_src[j] + x_dst[i] + ep (ep projected in registers from the edge's
-// K features, never stored), leaky_relu, per-head scores, exps of all heads in one vectorised
-// call, and the weighted row added to the accumulator. Saves only the log-sum-exp.
+// softmax. Per edge: z = x_src[j] + x_dst[i] + ep, leaky_relu, per-head scores, exps of all
+// heads in one vectorised call, and the weighted row added to the accumulator. Saves only the
+// log-sum-exp. ep, the projected edge features edge_attr[e] @ W, is computed per tile of 8 edges
+// (a small GEMM in a per-thread buffer, EdgeProjector) and never stored beyond the tile; the
+// edge_attr and edge_weight gradients use the same tiles of dz rows.
 //
 // Backward, without atomics and in a fixed order (bitwise reproducible for any thread count),
 // recomputing z wherever it is needed:
@@ -41,9 +43,6 @@ using cpu::node_grain;
 using cpu::prefetch_row;
 using cpu::sum8;
 
-// Edges whose dz rows are batched for the grad edge_weight update (see add_weight_grad_batch).
-constexpr int kEdgeBatch = 8;
-
 template <typename acc_t, typename T>
 std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
   std::vector<acc_t> v;
@@ -54,48 +53,138 @@ std::vector<acc_t> to_acc_vector(const at::Tensor& t) {
   return v;
 }
 
-// z[f] = src_row[f] + dst_row[f] + ep[f] for f < HC, where ep is the edge's term: its row of
-// already-projected features (kDirect) or sum_k ea_row[k] * w[k, f] (kProject).
+// z[f] = (src_row[f] + dst_row[f]) + ep[f] for f < HC, where ep is the edge's term (its row of
+// given or projected features, see EdgeProjector) or, when null, nothing.
 template <typename acc_t, typename TS, typename TD, typename TE>
 inline void edge_preact(acc_t* __restrict__ z, const TS* __restrict__ src_row, const TD* __restrict__ dst_row,
-                        Gatv2EdgeMode mode, const TE* __restrict__ ea_row, const acc_t* __restrict__ w, int64_t K,
-                        int64_t HC) {
-  for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
-  if (mode == Gatv2EdgeMode::kProject) {
-    // Blocks of kVecs vectors of z stay in registers while the K rows of w stream past them:
-    // one load per multiply-add, and kVecs independent sums to hide the FMA latency. Each
-    // element sums over k in order whatever the vector width (AVX-512 where built for it).
-    using vec = typename cpu::VecWide<acc_t>::type;
-    constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
-    constexpr int kVecs = 8;
-    constexpr int64_t kBlock = kLanes * kVecs;
-    int64_t f0 = 0;
-    for (; f0 + kBlock <= HC; f0 += kBlock) {
-      vec r[kVecs];
-      for (int v = 0; v < kVecs; ++v) r[v] = cpu::load_wide(z + f0 + kLanes * v);
-      for (int64_t k = 0; k < K; ++k) {
-        const acc_t a = static_cast<acc_t>(ea_row[k]);
-        const acc_t* wk = w + k * HC + f0;
-        for (int v = 0; v < kVecs; ++v) r[v] += a * cpu::load_wide(wk + kLanes * v);
-      }
-      for (int v = 0; v < kVecs; ++v) cpu::store_wide(z + f0 + kLanes * v, r[v]);
+                        const TE* __restrict__ ep, int64_t HC) {
+  if (ep) {
+    for (int64_t f = 0; f < HC; ++f) {
+      z[f] = (static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f])) + static_cast<acc_t>(ep[f]);
     }
-    for (; f0 + kLanes <= HC; f0 += kLanes) {
-      vec r = cpu::load_wide(z + f0);
-      for (int64_t k = 0; k < K; ++k) r += static_cast<acc_t>(ea_row[k]) * cpu::load_wide(w + k * HC + f0);
-      cpu::store_wide(z + f0, r);
-    }
-    for (int64_t f = f0; f < HC; ++f) {
-      acc_t r = z[f];
-      for (int64_t k = 0; k < K; ++k) r += static_cast<acc_t>(ea_row[k]) * w[k * HC + f];
-      z[f] = r;
-    }
-    return;
-  }
-  if (mode == Gatv2EdgeMode::kDirect) {
-    for (int64_t f = 0; f < HC; ++f) z[f] += static_cast<acc_t>(ea_row[f]);
+  } else {
+    for (int64_t f = 0; f < HC; ++f) z[f] = static_cast<acc_t>(src_row[f]) + static_cast<acc_t>(dst_row[f]);
   }
 }
+
+// Rows per tile of the edge-feature products (projection, grad edge_attr, grad edge_weight).
+constexpr int kTile = 8;
+
+// P[b, f] = sum_k eab[b, k] * w[k, f] for the kTile rows of eab [kTile, K]: a small GEMM whose
+// two vectors of w per k serve all kTile rows (the per-edge form loaded a vector of w per
+// multiply-add and was load-bound). Every element is summed over k in order from zero by the
+// same instructions whatever its row, so a row's projection does not depend on the tile (or the
+// rows beside it) it was computed with: the forward and both backward passes agree bitwise.
+template <typename acc_t>
+inline void project_tile(acc_t* __restrict__ P, const acc_t* __restrict__ eab, const acc_t* __restrict__ w,
+                         int64_t K, int64_t HC) {
+  using vec = typename cpu::VecWide<acc_t>::type;
+  constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
+  int64_t f0 = 0;
+  for (; f0 + 2 * kLanes <= HC; f0 += 2 * kLanes) {
+    vec r0[kTile] = {}, r1[kTile] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const vec w0 = cpu::load_wide(w + k * HC + f0), w1 = cpu::load_wide(w + k * HC + f0 + kLanes);
+      for (int b = 0; b < kTile; ++b) {
+        const acc_t a = eab[b * K + k];
+        r0[b] += a * w0;
+        r1[b] += a * w1;
+      }
+    }
+    for (int b = 0; b < kTile; ++b) {
+      cpu::store_wide(P + b * HC + f0, r0[b]);
+      cpu::store_wide(P + b * HC + f0 + kLanes, r1[b]);
+    }
+  }
+  for (; f0 + kLanes <= HC; f0 += kLanes) {
+    vec r[kTile] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const vec w0 = cpu::load_wide(w + k * HC + f0);
+      for (int b = 0; b < kTile; ++b) r[b] += eab[b * K + k] * w0;
+    }
+    for (int b = 0; b < kTile; ++b) cpu::store_wide(P + b * HC + f0, r[b]);
+  }
+  for (int64_t f = f0; f < HC; ++f) {
+    for (int b = 0; b < kTile; ++b) {
+      acc_t r = 0;
+      for (int64_t k = 0; k < K; ++k) r += eab[b * K + k] * w[k * HC + f];
+      P[b * HC + f] = r;
+    }
+  }
+}
+
+// g[b, k] = sum_f dz[b, f] * w[k, f] for the kTile rows of dz [kTile, HC] (rows of grad
+// edge_attr), from wT = w transposed and zero-padded to Kp columns (a multiple of the vector
+// width; g is [kTile, Kp]). Each row's vectors are summed over f in two interleaved halves (even
+// and odd f, for independent chains) then added: the same for every row.
+template <typename acc_t>
+inline void edge_attr_grad_tile(acc_t* __restrict__ g, const acc_t* __restrict__ dz, const acc_t* __restrict__ wT,
+                                int64_t Kp, int64_t HC) {
+  using vec = typename cpu::VecWide<acc_t>::type;
+  constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
+  for (int64_t k0 = 0; k0 < Kp; k0 += kLanes) {
+    vec r0[kTile] = {}, r1[kTile] = {};
+    int64_t f = 0;
+    for (; f + 2 <= HC; f += 2) {
+      const vec a = cpu::load_wide(wT + f * Kp + k0), b = cpu::load_wide(wT + (f + 1) * Kp + k0);
+      for (int row = 0; row < kTile; ++row) {
+        r0[row] += dz[row * HC + f] * a;
+        r1[row] += dz[row * HC + f + 1] * b;
+      }
+    }
+    if (f < HC) {
+      const vec a = cpu::load_wide(wT + f * Kp + k0);
+      for (int row = 0; row < kTile; ++row) r0[row] += dz[row * HC + f] * a;
+    }
+    for (int row = 0; row < kTile; ++row) cpu::store_wide(g + row * Kp + k0, r0[row] + r1[row]);
+  }
+}
+
+// The projected edge features ep[e] = edge_attr[e] @ W of a pass's positions pos = 0..n-1
+// (position pos holds edge edge_of[pos], or edge pos when edge_of is null), computed per aligned
+// tile of kTile positions when a position of a new tile is asked for and kept until then: the
+// passes walk positions in order, so each tile is computed about once per thread. Nothing of
+// size E x H x C: one tile per thread.
+template <typename acc_t, typename TE, typename index_t>
+class EdgeProjector {
+ public:
+  EdgeProjector(const TE* ea, const acc_t* w, int64_t K, int64_t HC, int64_t E, int64_t n, const index_t* edge_of,
+                bool enabled)
+      : ea_(ea), w_(w), K_(K), HC_(HC), E_(E), n_(n), edge_of_(edge_of) {
+    if (enabled) {
+      eab_.resize(kTile * K);
+      P_.resize(kTile * HC);
+    }
+  }
+
+  const acc_t* row(int64_t pos) {
+    const int64_t t0 = pos - pos % kTile;
+    if (t0 != tile0_) {
+      for (int b = 0; b < kTile; ++b) {
+        acc_t* dst = eab_.data() + b * K_;
+        const int64_t p = t0 + b;
+        if (p >= n_) {
+          std::fill(dst, dst + K_, acc_t(0));
+          continue;
+        }
+        const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[p]) : p;
+        TORCH_CHECK(e >= 0 && e < E_, "reverse index entry out of range");
+        for (int64_t k = 0; k < K_; ++k) dst[k] = static_cast<acc_t>(ea_[e * K_ + k]);
+      }
+      project_tile(P_.data(), eab_.data(), w_, K_, HC_);
+      tile0_ = t0;
+    }
+    return P_.data() + (pos - t0) * HC_;
+  }
+
+ private:
+  const TE* ea_;
+  const acc_t* w_;
+  int64_t K_, HC_, E_, n_;
+  const index_t* edge_of_;
+  int64_t tile0_ = -1;
+  std::vector<acc_t> eab_, P_;
+};
 
 // s[h] = sum_c att[h,c] * leaky_relu(z[h,c]) (a select, so that it vectorises), eight lanes per
 // head combined in a fixed tree; nothing stored but the H scores. The forward and the backward
@@ -197,17 +286,38 @@ inline void add_att_dst_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, con
   }
 }
 
-// add_src_grad() with z = xs_row + xd_row formed in registers (no edge term; rows already in
-// the accumulation type): pass 2's path without edge features.
+// The same shares when dz is needed as well (edge_attr / edge_weight gradients): one sweep over
+// z writes the dz row (as preact_grad()) and adds it to gx (as add_to()).
 template <typename acc_t>
+inline void add_att_dst_grads_dz(acc_t* __restrict__ p, acc_t* __restrict__ gx, acc_t* __restrict__ dz,
+                                 const acc_t* __restrict__ z, const acc_t* __restrict__ att,
+                                 const acc_t* __restrict__ ds, acc_t slope, int64_t H, int64_t C) {
+  for (int64_t h = 0; h < H; ++h) {
+    const acc_t d = ds[h];
+    for (int64_t f = h * C; f < (h + 1) * C; ++f) {
+      const acc_t v = z[f];
+      const bool pos = v > acc_t(0);
+      p[f] += d * (pos ? v : v * slope);
+      const acc_t dzf = d * att[f] * (pos ? acc_t(1) : slope);
+      dz[f] = dzf;
+      gx[f] += dzf;
+    }
+  }
+}
+
+// add_src_grad() with z = (xs_row + xd_row) [+ ep] formed in registers (rows already in the
+// accumulation type; the same operations as edge_preact()): pass 2's path for float and double.
+template <typename acc_t, bool kWithEdge>
 inline void add_src_grad_rows(acc_t* __restrict__ accx, const acc_t* __restrict__ xs_row,
-                              const acc_t* __restrict__ xd_row, const acc_t* __restrict__ att,
-                              const acc_t* __restrict__ g, const acc_t* __restrict__ aw,
-                              const acc_t* __restrict__ ds, acc_t slope, int64_t H, int64_t C) {
+                              const acc_t* __restrict__ xd_row, const acc_t* __restrict__ ep,
+                              const acc_t* __restrict__ att, const acc_t* __restrict__ g,
+                              const acc_t* __restrict__ aw, const acc_t* __restrict__ ds, acc_t slope, int64_t H,
+                              int64_t C) {
   for (int64_t h = 0; h < H; ++h) {
     const acc_t a = aw[h], d = ds[h];
     for (int64_t f = h * C; f < (h + 1) * C; ++f) {
-      const acc_t zf = xs_row[f] + xd_row[f];
+      acc_t zf = xs_row[f] + xd_row[f];
+      if (kWithEdge) zf += ep[f];
       accx[f] += a * g[f] + d * att[f] * (zf > acc_t(0) ? acc_t(1) : slope);
     }
   }
@@ -219,7 +329,7 @@ inline void add_to(acc_t* __restrict__ acc, const acc_t* __restrict__ v, int64_t
   for (int64_t f = 0; f < n; ++f) acc[f] += v[f];
 }
 
-// p[k, f] += sum_b eab[b, k] * dzb[b, f] over a batch of kEdgeBatch edges (rows past the
+// p[k, f] += sum_b eab[b, k] * dzb[b, f] over a batch of kTile edges (rows past the
 // batch's end are zero): the edges' shares of grad edge_weight, with each vector of p loaded and
 // stored once per batch instead of once per edge (per edge, the update was store-bound).
 template <typename acc_t>
@@ -229,18 +339,18 @@ inline void add_weight_grad_batch(acc_t* __restrict__ p, const acc_t* __restrict
   constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
   const int64_t HCw = HC / kLanes * kLanes;
   for (int64_t f = 0; f < HCw; f += kLanes) {
-    vec d[kEdgeBatch];
-    for (int b = 0; b < kEdgeBatch; ++b) d[b] = cpu::load_wide(dzb + b * HC + f);
+    vec d[kTile];
+    for (int b = 0; b < kTile; ++b) d[b] = cpu::load_wide(dzb + b * HC + f);
     for (int64_t k = 0; k < K; ++k) {
       vec acc = cpu::load_wide(p + k * HC + f);
-      for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * d[b];
+      for (int b = 0; b < kTile; ++b) acc += eab[b * K + k] * d[b];
       cpu::store_wide(p + k * HC + f, acc);
     }
   }
   for (int64_t f = HCw; f < HC; ++f) {
     for (int64_t k = 0; k < K; ++k) {
       acc_t acc = p[k * HC + f];
-      for (int b = 0; b < kEdgeBatch; ++b) acc += eab[b * K + k] * dzb[b * HC + f];
+      for (int b = 0; b < kTile; ++b) acc += eab[b * K + k] * dzb[b * HC + f];
       p[k * HC + f] = acc;
     }
   }
@@ -257,36 +367,6 @@ inline void add_src_grad(acc_t* __restrict__ accx, const acc_t* __restrict__ z, 
       const int64_t f = h * C + c;
       accx[f] += a * static_cast<acc_t>(g[f]) + d * att[f] * (z[f] > acc_t(0) ? acc_t(1) : slope);
     }
-  }
-}
-
-// y[k] = <w[k, :], v> for k < K, eight rows at a time (independent sums hide the FMA latency; v
-// is loaded once per eight rows), each in 8 lanes combined in a fixed tree. Written with vector
-// types: as plain loops GCC vectorised across f instead and shuffled every element into place.
-template <typename acc_t>
-inline void matvec_rows(const acc_t* __restrict__ w, const acc_t* __restrict__ v, acc_t* __restrict__ y, int64_t K,
-                        int64_t n) {
-  using vec = typename cpu::Vec8<acc_t>::type;
-  constexpr int kRows = 8;
-  const int64_t n8 = n / 8 * 8;
-  int64_t k = 0;
-  for (; k + kRows <= K; k += kRows) {
-    vec p[kRows] = {};
-    for (int64_t f = 0; f < n8; f += 8) {
-      const vec x = cpu::load8(v + f);
-      for (int r = 0; r < kRows; ++r) p[r] += cpu::load8(w + (k + r) * n + f) * x;
-    }
-    for (int64_t f = n8; f < n; ++f) {
-      for (int r = 0; r < kRows; ++r) p[r][f - n8] += w[(k + r) * n + f] * v[f];
-    }
-    for (int r = 0; r < kRows; ++r) y[k + r] = cpu::tree8<acc_t>(p[r]);
-  }
-  for (; k < K; ++k) {
-    const acc_t* wk = w + k * n;
-    vec p = {};
-    for (int64_t f = 0; f < n8; f += 8) p += cpu::load8(wk + f) * cpu::load8(v + f);
-    for (int64_t f = n8; f < n; ++f) p[f - n8] += wk[f] * v[f];
-    y[k] = cpu::tree8<acc_t>(p);
   }
 }
 
@@ -323,7 +403,6 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   const scalar_t* xs = a.x_src.data_ptr<scalar_t>();
   const scalar_t* xd = a.x_dst.data_ptr<scalar_t>();
   const scalar_t* ea = a.edge_attr.defined() ? a.edge_attr.data_ptr<scalar_t>() : nullptr;
-  const int64_t ea_stride = mode == Gatv2EdgeMode::kProject ? K : HC;
   const bool* mk = a.dropout_mask.defined() ? a.dropout_mask.data_ptr<bool>() : nullptr;
   const index_t* ptr = a.indptr.data_ptr<index_t>();
   const index_t* idx = a.indices.data_ptr<index_t>();
@@ -343,6 +422,15 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   // loops (it cannot tell the stores from them).
   at::parallel_for(0, num_dst, node_grain(num_dst, E, HC * (2 + K)),
                    [&, slope, keep_scale, neg_inf, H, C, HC, K, mode](int64_t begin, int64_t end) {
+    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode == Gatv2EdgeMode::kProject);
+    // The edge's term of z: its given row (kDirect), its projected row (kProject) or none.
+    const auto preact = [&](acc_t* zr, const scalar_t* xj, const acc_t* xdr, int64_t e) {
+      if (mode == Gatv2EdgeMode::kProject) {
+        edge_preact(zr, xj, xdr, proj.row(e), HC);
+      } else {
+        edge_preact(zr, xj, xdr, mode == Gatv2EdgeMode::kDirect ? ea + e * HC : nullptr, HC);
+      }
+    };
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
     std::vector<acc_t> acc(HC), xdi(HC), z(HC), run_max(H), run_sum(H), score(H), ex(2 * H);
     acc_t* rescale = ex.data();
@@ -365,14 +453,12 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
         if constexpr (std::is_same<scalar_t, acc_t>::value) {
           if (mode == Gatv2EdgeMode::kNone) {
             head_scores_rows<acc_t, false>(xj, xdi.data(), nullptr, att, slope, score.data(), H, C);
-          } else if (mode == Gatv2EdgeMode::kDirect) {
-            head_scores_rows<acc_t, true>(xj, xdi.data(), ea + e * HC, att, slope, score.data(), H, C);
           } else {
-            edge_preact(z.data(), xj, xdi.data(), mode, ea + e * ea_stride, w, K, HC);
-            head_scores(z.data(), att, slope, score.data(), H, C);
+            const acc_t* ep = mode == Gatv2EdgeMode::kDirect ? ea + e * HC : proj.row(e);
+            head_scores_rows<acc_t, true>(xj, xdi.data(), ep, att, slope, score.data(), H, C);
           }
         } else {
-          edge_preact(z.data(), xj, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+          preact(z.data(), xj, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
         }
         // Online softmax for all heads at once (as in the GAT kernel): new maximum, the old
@@ -412,7 +498,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
       if (al) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];
-          edge_preact(z.data(), xs + j * HC, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+          preact(z.data(), xs + j * HC, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
           for (int64_t h = 0; h < H; ++h) weight[h] = score[h] - lse_p[i * H + h];
           exp_inplace(weight, H);
@@ -461,7 +547,6 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   const scalar_t* xs = a.x_src.data_ptr<scalar_t>();
   const scalar_t* xd = a.x_dst.data_ptr<scalar_t>();
   const scalar_t* ea = a.edge_attr.defined() ? a.edge_attr.data_ptr<scalar_t>() : nullptr;
-  const int64_t ea_stride = mode == Gatv2EdgeMode::kProject ? K : HC;
   const bool* mk = a.dropout_mask.defined() ? a.dropout_mask.data_ptr<bool>() : nullptr;
   const index_t* ptr = a.indptr.data_ptr<index_t>();
   const index_t* idx = a.indices.data_ptr<index_t>();
@@ -489,17 +574,49 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   at::Tensor partial_t = partial_size ? at::zeros({n_chunks, partial_size}, acc_opts) : at::Tensor();
   acc_t* partial = partial_size ? partial_t.data_ptr<acc_t>() : nullptr;
 
+  // grad edge_attr of projected features comes from dz @ W^T, per tile of edges from W^T padded
+  // to whole vectors (see edge_attr_grad_tile).
+  const bool project = mode == Gatv2EdgeMode::kProject;
+  const bool want_ea_proj = want_ea && project;
+  constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
+  const int64_t Kp = (K + kLanes - 1) / kLanes * kLanes;
+  std::vector<acc_t> wT(want_ea_proj ? HC * Kp : 0, acc_t(0));
+  for (int64_t k = 0; k < (want_ea_proj ? K : 0); ++k) {
+    for (int64_t f = 0; f < HC; ++f) wT[f * Kp + k] = w[k * HC + f];
+  }
+  // Edges whose dz rows are kept in a tile for the grad edge_weight / edge_attr products.
+  const bool batch_edges = want_w || want_ea_proj;
+
   // Pass 1, per destination in fixed chunks (one task per chunk: its partial is its own).
-  at::parallel_for(0, n_chunks, 1, [&, slope, keep_scale, H, C, HC, K, mode](int64_t cbegin, int64_t cend) {
-    std::vector<acc_t> xdi(HC), z(HC), dz(HC), gxd_acc(HC), gea_row(K);
-    // The last few edges' dz and edge_attr rows, for the batched grad edge_weight update.
-    std::vector<acc_t> dz_batch(want_w ? kEdgeBatch * HC : 0), ea_batch(want_w ? kEdgeBatch * K : 0);
+  at::parallel_for(0, n_chunks, 1, [&, slope, keep_scale, H, C, HC, K, Kp, mode](int64_t cbegin, int64_t cend) {
+    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, project);
+    const auto preact = [&](acc_t* zr, const scalar_t* xj, const acc_t* xdr, int64_t e) {
+      if (project) {
+        edge_preact(zr, xj, xdr, proj.row(e), HC);
+      } else {
+        edge_preact(zr, xj, xdr, mode == Gatv2EdgeMode::kDirect ? ea + e * HC : nullptr, HC);
+      }
+    };
+    std::vector<acc_t> xdi(HC), z(HC), dz(HC), gxd_acc(HC);
+    // The last few edges (in order; flushed every kTile edges and at each chunk's end, so the
+    // batches depend on the graph only): their dz rows, edge_attr rows and ids.
+    std::vector<acc_t> dz_batch(batch_edges ? kTile * HC : 0), ea_batch(want_w ? kTile * K : 0);
+    std::vector<acc_t> gea_tile(want_ea_proj ? kTile * Kp : 0);
+    int64_t batch_edge[kTile];
     int n_batch = 0;
     auto flush_batch = [&](acc_t* pw) {
       if (n_batch == 0) return;
       std::fill(dz_batch.begin() + n_batch * HC, dz_batch.end(), acc_t(0));
-      std::fill(ea_batch.begin() + n_batch * K, ea_batch.end(), acc_t(0));
-      add_weight_grad_batch(pw, ea_batch.data(), dz_batch.data(), K, HC);
+      if (pw) {
+        std::fill(ea_batch.begin() + n_batch * K, ea_batch.end(), acc_t(0));
+        add_weight_grad_batch(pw, ea_batch.data(), dz_batch.data(), K, HC);
+      }
+      if (want_ea_proj) {
+        edge_attr_grad_tile(gea_tile.data(), dz_batch.data(), wT.data(), Kp, HC);
+        for (int b = 0; b < n_batch; ++b) {
+          for (int64_t k = 0; k < K; ++k) gea[batch_edge[b] * K + k] = static_cast<scalar_t>(gea_tile[b * Kp + k]);
+        }
+      }
       n_batch = 0;
     };
     std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H);
@@ -521,7 +638,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
           for (int64_t e = e0; e < e1; ++e) {
             const int64_t j = idx[e];
             TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
-            edge_preact(z.data(), xs + j * HC, xdi.data(), mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+            preact(z.data(), xs + j * HC, xdi.data(), e);
             head_scores(z.data(), att, slope, score.data(), H, C);
             for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
             exp_inplace(alphas.data(), H);
@@ -540,8 +657,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
           }
           const scalar_t* xj = xs + j * HC;
-          const scalar_t* ea_e = ea ? ea + e * ea_stride : ea;
-          edge_preact(z.data(), xj, xdi.data(), mode, ea_e, w, K, HC);
+          preact(z.data(), xj, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
           for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
           exp_inplace(alphas.data(), H);
@@ -566,29 +682,31 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             add_att_dst_grads(patt, gxd_acc.data(), z.data(), att, ds.data(), slope, H, C);
             continue;
           }
-          if (patt) add_att_grad(patt, ds.data(), z.data(), slope, H, C);
-          if (!need_dz) continue;
-          preact_grad(z.data(), att, ds.data(), slope, dz.data(), H, C);
-          if (gxd) add_to(gxd_acc.data(), dz.data(), HC);
-          if (gea) {
-            if (mode == Gatv2EdgeMode::kDirect) {
-              for (int64_t f = 0; f < HC; ++f) gea[e * HC + f] = static_cast<scalar_t>(dz[f]);
-            } else {
-              matvec_rows(w, dz.data(), gea_row.data(), K, HC);
-              for (int64_t k = 0; k < K; ++k) gea[e * K + k] = static_cast<scalar_t>(gea_row[k]);
-            }
+          acc_t* dzr = batch_edges ? dz_batch.data() + n_batch * HC : dz.data();
+          if (patt && gxd && need_dz) {  // one sweep for all three
+            add_att_dst_grads_dz(patt, gxd_acc.data(), dzr, z.data(), att, ds.data(), slope, H, C);
+          } else {
+            if (patt) add_att_grad(patt, ds.data(), z.data(), slope, H, C);
+            if (!need_dz) continue;
+            preact_grad(z.data(), att, ds.data(), slope, dzr, H, C);
+            if (gxd) add_to(gxd_acc.data(), dzr, HC);
           }
-          if (pw) {
-            std::copy(dz.begin(), dz.end(), dz_batch.begin() + n_batch * HC);
-            for (int64_t k = 0; k < K; ++k) ea_batch[n_batch * K + k] = static_cast<acc_t>(ea_e[k]);
-            if (++n_batch == kEdgeBatch) flush_batch(pw);
+          if (gea && mode == Gatv2EdgeMode::kDirect) {
+            for (int64_t f = 0; f < HC; ++f) gea[e * HC + f] = static_cast<scalar_t>(dzr[f]);
+          }
+          if (batch_edges) {
+            if (pw) {
+              for (int64_t k = 0; k < K; ++k) ea_batch[n_batch * K + k] = static_cast<acc_t>(ea[e * K + k]);
+            }
+            batch_edge[n_batch] = e;
+            if (++n_batch == kTile) flush_batch(pw);
           }
         }
         if (gxd) {
           for (int64_t f = 0; f < HC; ++f) gxd[i * HC + f] = static_cast<scalar_t>(gxd_acc[f]);
         }
       }
-      if (pw) flush_batch(pw);  // a chunk's batch ends with it: the flush points are fixed
+      if (batch_edges) flush_batch(pw);  // a chunk's batch ends with it: the flush points are fixed
     }
   });
 
@@ -618,6 +736,8 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     const index_t* rdst = b.rev_dst.data_ptr<index_t>();
     at::parallel_for(0, num_src, node_grain(num_src, E, HC * (2 + K)),
                      [&, slope, H, C, HC, K, mode](int64_t begin, int64_t end) {
+      // Positions k of the reverse index hold edges redge[k]: tiles of projected rows by position.
+      EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, redge, project);
       std::vector<acc_t> accx(HC), z(HC), aw(H), dsh(H);
       for (int64_t j = begin; j < end; ++j) {
         std::fill(accx.begin(), accx.end(), acc_t(0));
@@ -636,8 +756,12 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             if (en >= 0 && en < E) {
               __builtin_prefetch(ds_ws + en * H);
               __builtin_prefetch(aw_ws + en * H);
-              if (ea) prefetch_row(ea + en * ea_stride, ea_stride);
+              if (mode == Gatv2EdgeMode::kDirect) prefetch_row(ea + en * HC, HC);
             }
+          }
+          if (project && k + kTile < E) {  // the next tile's edge_attr rows (read at its start)
+            const int64_t en = redge[k + kTile];
+            if (en >= 0 && en < E) __builtin_prefetch(ea + en * K);
           }
           for (int64_t h = 0; h < H; ++h) {
             aw[h] = aw_ws[e * H + h];
@@ -645,11 +769,20 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
           }
           if constexpr (std::is_same<scalar_t, acc_t>::value) {
             if (mode == Gatv2EdgeMode::kNone) {
-              add_src_grad_rows(accx.data(), xj, xd + i * HC, att, g + i * HC, aw.data(), dsh.data(), slope, H, C);
-              continue;
+              add_src_grad_rows<acc_t, false>(accx.data(), xj, xd + i * HC, nullptr, att, g + i * HC, aw.data(),
+                                              dsh.data(), slope, H, C);
+            } else {
+              const acc_t* ep = project ? proj.row(k) : ea + e * HC;
+              add_src_grad_rows<acc_t, true>(accx.data(), xj, xd + i * HC, ep, att, g + i * HC, aw.data(),
+                                             dsh.data(), slope, H, C);
             }
+            continue;
           }
-          edge_preact(z.data(), xj, xd + i * HC, mode, ea ? ea + e * ea_stride : ea, w, K, HC);
+          if (project) {
+            edge_preact(z.data(), xj, xd + i * HC, proj.row(k), HC);
+          } else {
+            edge_preact(z.data(), xj, xd + i * HC, mode == Gatv2EdgeMode::kDirect ? ea + e * HC : nullptr, HC);
+          }
           add_src_grad(accx.data(), z.data(), att, g + i * HC, aw.data(), dsh.data(), slope, H, C);
         }
         for (int64_t f = 0; f < HC; ++f) gxs[j * HC + f] = static_cast<scalar_t>(accx[f]);
