@@ -31,6 +31,35 @@ class _ReverseIndex:
     dst: torch.Tensor     # [E] destination of each of those edges
 
 
+class _EdgePermutation(torch.autograd.Function):
+    """``values.index_select(0, perm)`` for a permutation ``perm`` of the edges (``inv`` its
+    inverse), whose backward gathers the gradient with ``inv``: index_select's own backward
+    scatter-adds into zeros, which for a permutation is the same result at more cost (CPU, 2M x
+    16 float32: about 180 ms against 75 ms for the gather). Double backward, forward mode and
+    vmap follow from the same two gathers."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(values, perm, inv):
+        return values.index_select(0, perm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, ctx.perm, ctx.inv = inputs  # integer inputs, never differentiated: kept as attributes
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is None:
+            return None, None, None
+        return _EdgePermutation.apply(grad, ctx.inv, ctx.perm), None, None
+
+    @staticmethod
+    def jvp(ctx, tangent, _perm_tangent, _inv_tangent):
+        return tangent.index_select(0, ctx.perm)
+
+
 class BipartiteCSC:
     """A directed bipartite graph ``source -> destination`` in CSC form.
 
@@ -136,19 +165,30 @@ class BipartiteCSC:
         return self._reverse
 
     def edge_order(self, values: torch.Tensor) -> torch.Tensor:
-        """Reorder a per-edge tensor from the original edge order to CSC order."""
-        return values if self.perm is None else values.index_select(0, self.perm)
+        """Reorder a per-edge tensor from the original edge order to CSC order (differentiable;
+        its gradient is reordered back by a gather, see ``_EdgePermutation``)."""
+        if self.perm is None:
+            return values
+        if not values.requires_grad or torch.compiler.is_compiling():
+            # (Dynamo does not trace an autograd.Function with a custom jvp; compiled graphs
+            # differentiate index_select themselves.)
+            return values.index_select(0, self.perm)
+        return _EdgePermutation.apply(values, self.perm, self._inverse_perm())
 
     def original_order(self, values: torch.Tensor) -> torch.Tensor:
         """Reorder a per-edge tensor from CSC order back to the original edge order."""
         if self.perm is None:
             return values
+        return values.index_select(0, self._inverse_perm())
+
+    def _inverse_perm(self) -> torch.Tensor:
+        """``[E]`` CSC position of each original edge (``perm``'s inverse), cached."""
         inv = self._inv_perm
         if inv is None:
             inv = torch.argsort(self.perm).to(self.dtype)
             if not torch.compiler.is_compiling():  # a traced tensor must not outlive its trace
                 self._inv_perm = inv
-        return values.index_select(0, inv)
+        return inv
 
     def to(self, device) -> "BipartiteCSC":
         """A copy on ``device`` (the reverse index moves along if it was built)."""
