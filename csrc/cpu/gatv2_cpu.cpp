@@ -140,20 +140,32 @@ inline void edge_attr_grad_tile(acc_t* __restrict__ g, const acc_t* __restrict__
   }
 }
 
-// The projected edge features ep[e] = edge_attr[e] @ W of a pass's positions pos = 0..n-1
-// (position pos holds edge edge_of[pos], or edge pos when edge_of is null), computed per aligned
-// tile of kTile positions when a position of a new tile is asked for and kept until then: the
-// passes walk positions in order, so each tile is computed about once per thread. Nothing of
-// size E x H x C: one tile per thread.
+// The edge terms of a pass's positions pos = 0..n-1 (position pos holds edge edge_of[pos], or
+// edge pos when edge_of is null): in kProject mode the projected edge features
+// ep[e] = edge_attr[e] @ W, computed per aligned tile of kTile positions when a position of a
+// new tile is asked for and kept until then (the passes walk positions in order, so each tile is
+// computed about once per thread; nothing of size E x H x C: one tile per thread); in kDirect
+// mode the given rows edge_attr[e]; in kNone mode none.
 template <typename acc_t, typename TE, typename index_t>
 class EdgeProjector {
  public:
   EdgeProjector(const TE* ea, const acc_t* w, int64_t K, int64_t HC, int64_t E, int64_t n, const index_t* edge_of,
-                bool enabled)
-      : ea_(ea), w_(w), K_(K), HC_(HC), E_(E), n_(n), edge_of_(edge_of) {
-    if (enabled) {
+                Gatv2EdgeMode mode)
+      : ea_(ea), w_(w), K_(K), HC_(HC), E_(E), n_(n), edge_of_(edge_of), mode_(mode) {
+    if (mode == Gatv2EdgeMode::kProject) {
       eab_.resize(kTile * K);
       P_.resize(kTile * HC);
+    }
+  }
+
+  // z = (src_row + dst_row) + the edge term of position pos (edge_preact()).
+  template <typename TS, typename TD>
+  void preact(acc_t* z, const TS* src_row, const TD* dst_row, int64_t pos) {
+    if (mode_ == Gatv2EdgeMode::kProject) {
+      edge_preact(z, src_row, dst_row, row(pos), HC_);
+    } else {
+      const TE* ep = mode_ == Gatv2EdgeMode::kDirect ? ea_ + edge(pos) * HC_ : nullptr;
+      edge_preact(z, src_row, dst_row, ep, HC_);
     }
   }
 
@@ -167,8 +179,7 @@ class EdgeProjector {
           std::fill(dst, dst + K_, acc_t(0));
           continue;
         }
-        const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[p]) : p;
-        TORCH_CHECK(e >= 0 && e < E_, "reverse index entry out of range");
+        const int64_t e = edge(p);
         for (int64_t k = 0; k < K_; ++k) dst[k] = static_cast<acc_t>(ea_[e * K_ + k]);
       }
       project_tile(P_.data(), eab_.data(), w_, K_, HC_);
@@ -178,10 +189,17 @@ class EdgeProjector {
   }
 
  private:
+  int64_t edge(int64_t pos) const {
+    const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[pos]) : pos;
+    TORCH_CHECK(e >= 0 && e < E_, "reverse index entry out of range");
+    return e;
+  }
+
   const TE* ea_;
   const acc_t* w_;
   int64_t K_, HC_, E_, n_;
   const index_t* edge_of_;
+  Gatv2EdgeMode mode_;
   int64_t tile0_ = -1;
   std::vector<acc_t> eab_, P_;
 };
@@ -268,39 +286,27 @@ inline void add_att_grad(acc_t* __restrict__ p, const acc_t* __restrict__ ds, co
   }
 }
 
-// An edge's shares of grad att and grad x_dst in one sweep over z, for pass 1 when dz itself
-// is not needed (no edge_attr / edge_weight gradient): p[f] += ds[h] * leaky_relu(z[f]) as
-// add_att_grad() and gx[f] += ds[h] * att[f] * leaky_relu'(z[f]) as preact_grad() + add_to().
-template <typename acc_t>
-inline void add_att_dst_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, const acc_t* __restrict__ z,
-                              const acc_t* __restrict__ att, const acc_t* __restrict__ ds, acc_t slope, int64_t H,
-                              int64_t C) {
+// An edge's shares of grad att and grad x_dst in one sweep over z: p[f] += ds[h] *
+// leaky_relu(z[f]) as add_att_grad() and gx[f] += ds[h] * att[f] * leaky_relu'(z[f]) as
+// preact_grad() + add_to(). With kWriteDz (edge_attr / edge_weight gradients wanted) that dz
+// value is also written to the dz row, and gx gets the stored value.
+template <typename acc_t, bool kWriteDz>
+inline void add_att_dst_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, acc_t* __restrict__ dz,
+                              const acc_t* __restrict__ z, const acc_t* __restrict__ att,
+                              const acc_t* __restrict__ ds, acc_t slope, int64_t H, int64_t C) {
   for (int64_t h = 0; h < H; ++h) {
     const acc_t d = ds[h];
     for (int64_t f = h * C; f < (h + 1) * C; ++f) {
       const acc_t v = z[f];
       const bool pos = v > acc_t(0);
       p[f] += d * (pos ? v : v * slope);
-      gx[f] += d * att[f] * (pos ? acc_t(1) : slope);
-    }
-  }
-}
-
-// The same shares when dz is needed as well (edge_attr / edge_weight gradients): one sweep over
-// z writes the dz row (as preact_grad()) and adds it to gx (as add_to()).
-template <typename acc_t>
-inline void add_att_dst_grads_dz(acc_t* __restrict__ p, acc_t* __restrict__ gx, acc_t* __restrict__ dz,
-                                 const acc_t* __restrict__ z, const acc_t* __restrict__ att,
-                                 const acc_t* __restrict__ ds, acc_t slope, int64_t H, int64_t C) {
-  for (int64_t h = 0; h < H; ++h) {
-    const acc_t d = ds[h];
-    for (int64_t f = h * C; f < (h + 1) * C; ++f) {
-      const acc_t v = z[f];
-      const bool pos = v > acc_t(0);
-      p[f] += d * (pos ? v : v * slope);
-      const acc_t dzf = d * att[f] * (pos ? acc_t(1) : slope);
-      dz[f] = dzf;
-      gx[f] += dzf;
+      if constexpr (kWriteDz) {
+        const acc_t dzf = d * att[f] * (pos ? acc_t(1) : slope);
+        dz[f] = dzf;
+        gx[f] += dzf;
+      } else {
+        gx[f] += d * att[f] * (pos ? acc_t(1) : slope);
+      }
     }
   }
 }
@@ -422,15 +428,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   // loops (it cannot tell the stores from them).
   at::parallel_for(0, num_dst, node_grain(num_dst, E, HC * (2 + K)),
                    [&, slope, keep_scale, neg_inf, H, C, HC, K, mode](int64_t begin, int64_t end) {
-    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode == Gatv2EdgeMode::kProject);
-    // The edge's term of z: its given row (kDirect), its projected row (kProject) or none.
-    const auto preact = [&](acc_t* zr, const scalar_t* xj, const acc_t* xdr, int64_t e) {
-      if (mode == Gatv2EdgeMode::kProject) {
-        edge_preact(zr, xj, xdr, proj.row(e), HC);
-      } else {
-        edge_preact(zr, xj, xdr, mode == Gatv2EdgeMode::kDirect ? ea + e * HC : nullptr, HC);
-      }
-    };
+    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode);
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
     std::vector<acc_t> acc(HC), xdi(HC), z(HC), run_max(H), run_sum(H), score(H), ex(2 * H);
     acc_t* rescale = ex.data();
@@ -458,7 +456,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
             head_scores_rows<acc_t, true>(xj, xdi.data(), ep, att, slope, score.data(), H, C);
           }
         } else {
-          preact(z.data(), xj, xdi.data(), e);
+          proj.preact(z.data(), xj, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
         }
         // Online softmax for all heads at once (as in the GAT kernel): new maximum, the old
@@ -498,7 +496,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
       if (al) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];
-          preact(z.data(), xs + j * HC, xdi.data(), e);
+          proj.preact(z.data(), xs + j * HC, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
           for (int64_t h = 0; h < H; ++h) weight[h] = score[h] - lse_p[i * H + h];
           exp_inplace(weight, H);
@@ -589,14 +587,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
 
   // Pass 1, per destination in fixed chunks (one task per chunk: its partial is its own).
   at::parallel_for(0, n_chunks, 1, [&, slope, keep_scale, H, C, HC, K, Kp, mode](int64_t cbegin, int64_t cend) {
-    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, project);
-    const auto preact = [&](acc_t* zr, const scalar_t* xj, const acc_t* xdr, int64_t e) {
-      if (project) {
-        edge_preact(zr, xj, xdr, proj.row(e), HC);
-      } else {
-        edge_preact(zr, xj, xdr, mode == Gatv2EdgeMode::kDirect ? ea + e * HC : nullptr, HC);
-      }
-    };
+    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode);
     std::vector<acc_t> xdi(HC), z(HC), dz(HC), gxd_acc(HC);
     // The last few edges (in order; flushed every kTile edges and at each chunk's end, so the
     // batches depend on the graph only): their dz rows, edge_attr rows and ids.
@@ -638,7 +629,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
           for (int64_t e = e0; e < e1; ++e) {
             const int64_t j = idx[e];
             TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
-            preact(z.data(), xs + j * HC, xdi.data(), e);
+            proj.preact(z.data(), xs + j * HC, xdi.data(), e);
             head_scores(z.data(), att, slope, score.data(), H, C);
             for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
             exp_inplace(alphas.data(), H);
@@ -657,7 +648,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
           }
           const scalar_t* xj = xs + j * HC;
-          preact(z.data(), xj, xdi.data(), e);
+          proj.preact(z.data(), xj, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
           for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
           exp_inplace(alphas.data(), H);
@@ -679,12 +670,12 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             }
           }
           if (patt && gxd && !want_ea && !want_w) {  // one sweep for both; no dz row
-            add_att_dst_grads(patt, gxd_acc.data(), z.data(), att, ds.data(), slope, H, C);
+            add_att_dst_grads<acc_t, false>(patt, gxd_acc.data(), nullptr, z.data(), att, ds.data(), slope, H, C);
             continue;
           }
           acc_t* dzr = batch_edges ? dz_batch.data() + n_batch * HC : dz.data();
           if (patt && gxd && need_dz) {  // one sweep for all three
-            add_att_dst_grads_dz(patt, gxd_acc.data(), dzr, z.data(), att, ds.data(), slope, H, C);
+            add_att_dst_grads<acc_t, true>(patt, gxd_acc.data(), dzr, z.data(), att, ds.data(), slope, H, C);
           } else {
             if (patt) add_att_grad(patt, ds.data(), z.data(), slope, H, C);
             if (!need_dz) continue;
@@ -737,7 +728,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     at::parallel_for(0, num_src, node_grain(num_src, E, HC * (2 + K)),
                      [&, slope, H, C, HC, K, mode](int64_t begin, int64_t end) {
       // Positions k of the reverse index hold edges redge[k]: tiles of projected rows by position.
-      EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, redge, project);
+      EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, redge, mode);
       std::vector<acc_t> accx(HC), z(HC), aw(H), dsh(H);
       for (int64_t j = begin; j < end; ++j) {
         std::fill(accx.begin(), accx.end(), acc_t(0));
@@ -778,11 +769,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             }
             continue;
           }
-          if (project) {
-            edge_preact(z.data(), xj, xd + i * HC, proj.row(k), HC);
-          } else {
-            edge_preact(z.data(), xj, xd + i * HC, mode == Gatv2EdgeMode::kDirect ? ea + e * HC : nullptr, HC);
-          }
+          proj.preact(z.data(), xj, xd + i * HC, k);
           add_src_grad(accx.data(), z.data(), att, g + i * HC, aw.data(), dsh.data(), slope, H, C);
         }
         for (int64_t f = 0; f < HC; ++f) gxs[j * HC + f] = static_cast<scalar_t>(accx[f]);
