@@ -17,10 +17,16 @@ over repeats after a warm-up, and the peak extra memory of one call, see ``_comm
 * ``index_select`` (forward only, for reference): ``x_src.view(N, H*C).index_select(0, src)``,
   the same rows gathered into an ``[E, H*C]`` tensor (what the composite does first).
 
+Modes: ``fwd``, ``fwd_bwd`` (gradients of all inputs) and ``double_bwd``: a gradient penalty,
+the squared norm of the x_src/x_dst gradients (``create_graph=True``) differentiated again for
+all inputs (the op's recomputing higher-order path against the composite's autograd).
+
 Prints a table and writes JSON under ``benchmarks/results/``.
 
     python benchmarks/gatv2_attention.py          # CPU, 2 threads, N=50k/E=1M and N=100k/E=2M, edge_dim 0 and 16
     python benchmarks/gatv2_attention.py --device cuda --sizes 100000:2000000 1000000:10000000
+    python benchmarks/gatv2_attention.py --modes double_bwd --sizes 10000:200000 50000:1000000 \
+        --out benchmarks/results/gatv2_attention_cpu_double_backward.json
 """
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ from _common import PeakMemory, format_bytes, machine_info, median_time, run_wor
 HERE = os.path.abspath(__file__)
 IMPLS_FWD = ("op", "composite", "gather", "index_select")
 IMPLS_BWD = ("op", "composite")
+MODES = ("fwd", "fwd_bwd", "double_bwd")
 
 
 def composite_gatv2(x_src, x_dst, att, src, dst, num_dst, edge_attr=None, edge_weight=None, negative_slope=0.2):
@@ -90,8 +97,11 @@ def worker(args) -> dict:
         if args.mode == "fwd":
             with torch.no_grad():
                 call()
-        else:
+        elif args.mode == "fwd_bwd":
             torch.autograd.grad(call(), inputs, grad)
+        else:  # a gradient penalty: the feature gradients' squared norm, differentiated again
+            first = torch.autograd.grad(call(), (x_src, x_dst), grad, create_graph=True)
+            torch.autograd.grad(sum(g.square().sum() for g in first), inputs)
         if device.startswith("cuda"):
             torch.cuda.synchronize()
 
@@ -122,7 +132,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=IMPLS_FWD, default="op")
-    p.add_argument("--mode", choices=["fwd", "fwd_bwd"], default="fwd")
+    p.add_argument("--mode", choices=MODES, default="fwd")
+    p.add_argument("--modes", choices=MODES, nargs="+", default=["fwd", "fwd_bwd"])
     p.add_argument("--nodes", type=int, default=50000)
     p.add_argument("--edges", type=int, default=1000000)
     p.add_argument("--edge-dim", type=int, default=0)
@@ -145,7 +156,7 @@ def main():
         n, e = map(int, size.split(":"))
         repeats = args.repeats if e <= 1_000_000 else max(3, args.repeats // 2)
         for k in args.edge_dims:
-            for mode in ("fwd", "fwd_bwd"):
+            for mode in args.modes:
                 res = {}
                 for impl in IMPLS_FWD if mode == "fwd" else IMPLS_BWD:
                     res[impl] = run_worker(HERE, [
@@ -186,7 +197,7 @@ def _row_text(row):
         extra += f" | op/gather {row['op_over_gather_bound']:4.2f}"
         if "interleaved_op_over_gather" in row["op"]:
             extra += f" (interleaved {row['op']['interleaved_op_over_gather']:4.2f})"
-    head = f"N={row['nodes']:>7} E={row['edges']:>8} edge_dim={row['edge_dim']:>2} {row['mode']:>7}"
+    head = f"N={row['nodes']:>7} E={row['edges']:>8} edge_dim={row['edge_dim']:>2} {row['mode']:>10}"
     return head + "".join(cell(i) for i in IMPLS_FWD) + extra
 
 

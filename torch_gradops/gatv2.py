@@ -7,22 +7,26 @@ forms the pre-activation of each edge in registers (the projected edge features 
 stored) and saves only the per-(destination, head) log-sum-exp. The backward recomputes the
 pre-activations and sums without atomics in a fixed order, so gradients are bitwise
 reproducible; its workspaces are ``[E, heads]``. Nothing of size ``E x heads x channels`` is
-allocated on the first-order paths. Forward-mode AD is composite but chunked over edges, so its
-``E x heads x channels`` temporaries stay within about ``E x heads`` elements; double backward
-(``create_graph=True``, ``torch.func.grad``/``jacrev``/``hessian``) is a composite
-recomputation that does materialise them (see :class:`GATv2AttentionFunction`). ``torch.func.vmap``
-folds a vmapped dimension into the heads, one kernel call for the whole batch.
+allocated on the first-order paths. The other paths never hold one beyond a chunk of edges
+whose ``[chunk, heads, channels]`` temporaries have about ``E x heads`` elements: forward-mode
+AD is plain PyTorch ops over such chunks; the differentiable backward (``create_graph=True``,
+``torch.func.grad``/``jacrev``/``hessian``, batched output gradients under vmap) is GAT's fused
+primitives plus chunked per-edge maps that recompute their chunks for their own derivatives
+(:class:`_Gatv2EdgeMaps`). ``torch.func.vmap`` folds a vmapped dimension into the heads, one
+kernel call for the whole batch.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import functools
+from typing import List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
 from ._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
-from .gat import (_attend_composite, _composite_edges, _fold_heads, _prepare_graph, _unfold_heads,
-                  _vmap_per_item)
+from ._edge_chunks import EdgeChunks, EdgeMap, EdgeMapSpec, chunk_size, node_ranges, plain_tensor
+from .gat import (_attend_composite, _composite_edges, _edge_aggregate, _edge_dot, _Edges, _EdgeSoftmax, _fold_heads,
+                  _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads, _vmap_per_item)
 from .graph import BipartiteCSC, csc_destinations
 from .library import check_backend, ops
 
@@ -105,10 +109,11 @@ def _leaky_slope(z: torch.Tensor, negative_slope: float) -> torch.Tensor:
     return (z > 0).to(z.dtype) * (1.0 - negative_slope) + negative_slope
 
 
-def _gatv2_backward_differentiable(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight, src, dst,
-                                   num_dst, mask, negative_slope, scale, needs):
-    """The first-order gradients written in differentiable PyTorch ops (CSC edge order), for
-    double backward and batched output gradients: every transform composes with it.
+def _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight, src, dst,
+                              num_dst, mask, negative_slope, scale, needs):
+    """The first-order gradients written in plain PyTorch ops (CSC edge order): what
+    ``torch.compile`` traces for a differentiable backward (Dynamo cannot trace the recomputing
+    :class:`~torch_gradops._edge_chunks.EdgeMap`, which defines ``jvp``).
 
     Exact, including the softmax's dependence on the inputs (recomputed, not taken from the
     saved log-sum-exp). It materialises ``E x H x C`` tensors and computes in float32 for half
@@ -156,6 +161,126 @@ def _gatv2_backward_differentiable(grad_out, grad_alpha, x_src, x_dst, att, edge
         if needs[4]:
             g[4] = (edge_attr.t() @ flat).reshape(edge_weight.shape)
     return [None if t is None else t.to(dtype) for t in g]
+
+
+# ---------------------------------------------------------------------------- higher-order path
+class _Gatv2EdgeMaps:
+    """GATv2's per-edge maps on one graph, as :class:`~torch_gradops._edge_chunks.EdgeMap` s
+    (chunked, recomputed for their derivatives: no ``E x H x C`` tensor outlives a chunk):
+
+    * :meth:`scores`: ``s[e,h] = sum_c att[h,c] leaky_relu(z[e,h,c])`` with ``z`` the
+      pre-activation (``x_src[j] + x_dst[i]`` + the edge term), ``[E, H]`` in CSC order;
+    * :meth:`scores_vjp`: its vector-Jacobian product, from ``dz = ds * att * leaky_relu'(z)``
+      for ``ds [E, H]``: grad ``x_dst`` as destination row blocks over CSC chunks, grad
+      ``x_src`` as source row blocks over chunks of the reverse (source-grouped) index, grad
+      ``att`` and ``edge_weight`` as sums, grad ``edge_attr`` per edge.
+
+    The scores' backward is :meth:`scores_vjp`, and that one's derivatives recompute its chunks,
+    so every order keeps to one chunk's ``[chunk, H, C]`` temporaries."""
+
+    def __init__(self, edges: _Edges, heads: int, channels: int, negative_slope: float):
+        self.slope = float(negative_slope)
+        # The chunk functions close over these; under torch.func they run at other transform
+        # levels than this backward's, so they must be plain tensors (constants at every level).
+        indptr, indices, dst, rev_indptr, rev_edge, rev_dst = map(plain_tensor, edges[:6])
+        step = chunk_size(indices.numel(), heads, channels)
+        with torch._C._DisableFuncTorch():
+            self.src, self.dst = indices.long(), dst.long()
+            self.by_dst = EdgeChunks(None, node_ranges(indptr, step))
+            rev_edge = rev_edge.long()
+            self.by_src = EdgeChunks(rev_edge, node_ranges(rev_indptr, step))
+            self.rev_src, self.rev_dst = self.src.index_select(0, rev_edge), rev_dst.long()
+
+    def _preact(self, s_idx, d_idx, x_src, x_dst, ea, w):
+        z = x_src.index_select(0, s_idx) + x_dst.index_select(0, d_idx)
+        term = _edge_term(ea, w)
+        return z if term is None else z + term
+
+    # chunk functions (see EdgeMapSpec): edge inputs (ds,) ea; node inputs x_src, x_dst, att, w
+    def _scores_chunk(self, n0, n1, e0, e1, edge_in, nodes):
+        (ea,), (x_src, x_dst, att, w) = edge_in, nodes
+        z = self._preact(self.src[e0:e1], self.dst[e0:e1], x_src, x_dst, ea, w)
+        return ((F.leaky_relu(z, self.slope) * att).sum(-1),)
+
+    def _dz(self, ds, z, att):
+        return _leaky_relu_grad(ds.unsqueeze(-1) * att, z, self.slope)
+
+    def _by_dst_chunk(self, needs, n0, n1, e0, e1, edge_in, nodes):
+        """needs = (x_dst, att, edge_attr, edge_weight): ``(g_edge_attr rows, g_x_dst rows,
+        g_att, g_edge_weight)``, the ones needed."""
+        (ds, ea), (x_src, x_dst, att, w) = edge_in, nodes
+        d_idx = self.dst[e0:e1]
+        z = self._preact(self.src[e0:e1], d_idx, x_src, x_dst, ea, w)
+        dz = self._dz(ds, z, att)
+        width = dz.size(1) * dz.size(2)
+        flat = dz.reshape(dz.size(0), width)  # explicit sizes: a chunk may have no edges
+        edge_out, rows, sums = [], [], []
+        if needs[2]:
+            edge_out.append(dz if w is None else flat @ w.reshape(w.size(0), width).t())
+        if needs[0]:
+            rows.append(dz.new_zeros((n1 - n0,) + dz.shape[1:]).index_add(0, d_idx - n0, dz))
+        if needs[1]:
+            sums.append((ds.unsqueeze(-1) * F.leaky_relu(z, self.slope)).sum(0))
+        if needs[3]:
+            sums.append((ea.t() @ flat).reshape(w.shape))
+        return (*edge_out, *rows, *sums)
+
+    def _by_src_chunk(self, n0, n1, e0, e1, edge_in, nodes):
+        (ds, ea), (x_src, x_dst, att, w) = edge_in, nodes
+        s_idx = self.rev_src[e0:e1]
+        dz = self._dz(ds, self._preact(s_idx, self.rev_dst[e0:e1], x_src, x_dst, ea, w), att)
+        return (dz.new_zeros((n1 - n0,) + dz.shape[1:]).index_add(0, s_idx - n0, dz),)
+
+    # maps
+    def scores(self, x_src, x_dst, att, ea, w):
+        """``[E, H]`` scores (CSC order)."""
+        def vjp(inputs, grads, needs):
+            ea_, xs, xd, a, w_ = inputs
+            g = self.scores_vjp(grads[0], xs, xd, a, ea_, w_, (needs[1], needs[2], needs[3], needs[0], needs[4]))
+            return g[3], g[0], g[1], g[2], g[4]
+        spec = EdgeMapSpec(self._scores_chunk, self.by_dst, 1, 1, 0, vjp)
+        return EdgeMap.apply(spec, ea, x_src, x_dst, att, w)[0]
+
+    def scores_vjp(self, ds, x_src, x_dst, att, ea, w, needs):
+        """``[g_x_src, g_x_dst, g_att, g_edge_attr, g_edge_weight]`` of ``<ds, scores>`` (None
+        where not ``needs`` or the input is None)."""
+        needs = [bool(n) and t is not None for n, t in zip(needs, (x_src, x_dst, att, ea, w))]
+        grads: List[Optional[torch.Tensor]] = [None] * 5
+        rest = (needs[1], needs[2], needs[3], needs[4])
+        if any(rest):
+            spec = EdgeMapSpec(functools.partial(self._by_dst_chunk, rest), self.by_dst, 2, int(needs[3]),
+                               int(needs[1]), None)
+            outs = list(EdgeMap.apply(spec, ds, ea, x_src, x_dst, att, w))
+            for i in (3, 1, 2, 4):  # the chunk function's output order
+                if needs[i]:
+                    grads[i] = outs.pop(0)
+        if needs[0]:
+            spec = EdgeMapSpec(self._by_src_chunk, self.by_src, 2, 0, 1, None)
+            grads[0] = EdgeMap.apply(spec, ds, ea, x_src, x_dst, att, w)[0]
+        return grads
+
+
+def _gatv2_backward_recomputing(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight, lse,
+                                edges: _Edges, mask, negative_slope, scale, needs):
+    """The first-order gradients as a differentiable computation that never holds an
+    ``E x H x C`` tensor beyond one chunk of edges: the fused SpMM/SDDMM primitives and
+    ``E x H`` ops for the softmax and the messages, :class:`_Gatv2EdgeMaps` for the scores.
+    For double backward and the torch.func reverse transforms. Half types compute in float32."""
+    dtype = x_src.dtype
+    acc = _acc_dtype(dtype)
+    xs, xd, a, ea, w, g = (None if t is None else t.to(acc)
+                           for t in (x_src, x_dst, att, edge_attr, edge_weight, grad_out))
+    maps = _Gatv2EdgeMaps(edges, att.size(0), att.size(1), negative_slope)
+    p = _EdgeSoftmax.apply(maps.scores(xs, xd, a, ea, w), lse, *edges)
+    keep = None if mask is None else mask.to(acc) * scale
+    d_alpha = _edge_dot(g, xs, edges)
+    if grad_alpha is not None:
+        d_alpha = d_alpha + grad_alpha.to(acc)
+    ds = _softmax_jvp(p, d_alpha if keep is None else d_alpha * keep, edges)
+    grads = maps.scores_vjp(ds, xs, xd, a, ea, w, needs)
+    if needs[0]:  # the messages' share: sum over each source's edges of alpha * grad_out[i]
+        grads[0] = grads[0] + _edge_aggregate(p if keep is None else p * keep, g, edges, False)
+    return [None if t is None else t.to(dtype) for t in grads]
 
 
 def _gatv2_composite(x_src, x_dst, att, edge_attr, edge_weight, graph: BipartiteCSC, mask, negative_slope: float,
@@ -227,11 +352,19 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
         if torch.is_grad_enabled() or any(is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att,
                                                                        edge_attr, edge_weight)):
             # create_graph=True (every torch.func.grad/vjp records for higher orders), or batched
-            # tensors from vmap: the same gradients in differentiable ops (exact, not fused).
+            # tensors from vmap: the same gradients as a differentiable computation (exact, not
+            # the fused kernel). Its per-node sums of edge rows are index_add: deterministic on
+            # CPU, on CUDA only under torch.use_deterministic_algorithms.
+            if ctx.has_rev and not torch.compiler.is_compiling():
+                edges = _Edges.of_csc(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
+                grads = _gatv2_backward_recomputing(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
+                                                    lse, edges, dropout_mask, ctx.negative_slope, ctx.dropout_scale,
+                                                    needs)
+                return tuple(grads) + none_rest
             dst = csc_destinations(indptr, indices.numel()).long()
-            grads = _gatv2_backward_differentiable(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
-                                                   indices.long(), dst, x_dst.size(0), dropout_mask,
-                                                   ctx.negative_slope, ctx.dropout_scale, needs)
+            grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
+                                              indices.long(), dst, x_dst.size(0), dropout_mask,
+                                              ctx.negative_slope, ctx.dropout_scale, needs)
             return tuple(grads) + none_rest
 
         if not ctx.has_rev:
@@ -257,9 +390,11 @@ class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
       scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
     * The reverse (source-grouped) index ``rev_*`` is only needed when a gradient is wanted.
 
-    Backward: the deterministic kernel. Under ``create_graph=True`` (and for batched output
-    gradients from vmap) it switches to a composite differentiable recomputation, so gradients
-    of gradients are exact; it materialises ``E x H x C`` tensors. Forward-mode AD (``jvp``) is
+    Backward: the deterministic kernel. Under ``create_graph=True`` (and every torch.func
+    reverse transform, and for batched output gradients from vmap) it switches to a
+    differentiable recomputation (exact at every order) whose ``E x H x C`` intermediates live
+    one chunk of edges at a time (:func:`_gatv2_backward_recomputing`; inside
+    ``torch.compile``, plain PyTorch ops that build them whole). Forward-mode AD (``jvp``) is
     composite, in edge chunks whose temporaries hold about ``E x H`` elements.
     """
 
@@ -285,9 +420,9 @@ def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, n
     src = indices.long()
     dst = csc_destinations(indptr, indices.numel()).long()
     num_edges, heads, channels = src.numel(), x_src.size(-2), x_src.size(-1)
-    # Edges in chunks whose [chunk, H, C] temporaries hold about E x H elements (at least 4096
-    # edges): memory O(E x H), the same arithmetic as one pass.
-    step = max(1, min(num_edges, max(num_edges // max(channels, 1), 4096)))
+    # Edges in chunks whose [chunk, H, C] temporaries hold about E x H elements: memory
+    # O(E x H), the same arithmetic as one pass.
+    step = min(max(num_edges, 1), chunk_size(num_edges, heads, channels))
     keep = mask.to(acc) * dropout_scale if mask is not None else None
 
     def z_of(lo, hi):
