@@ -71,14 +71,21 @@ class EdgeMapSpec:
     ``num_edge_out`` per-edge outputs ``[edge1 - edge0, ...]`` (traversal order), then
     ``num_row_out`` per-node outputs ``[node1 - node0, ...]``, then whole-graph sums. It gets
     the first ``num_edge_in`` inputs (``[E, ...]`` in CSC order, or None) sliced to the chunk in
-    traversal order, and the others whole. ``vjp(inputs, grads, needs)``, if given, replaces
-    the recomputation in backward (it must itself be differentiable)."""
+    traversal order; the others whole, or, where ``gathers[j]`` (for the j-th of them) is an
+    ``[E]`` index in traversal order, their rows at the chunk's entries of it. Derivatives for
+    gathered inputs are taken for the rows and summed into the input with ``index_add``, so a
+    chunk never allocates a whole input's gradient. ``vjp(inputs, grads, needs)``, if given,
+    replaces the recomputation in backward (it must itself be differentiable)."""
     fn: Callable
     chunks: EdgeChunks
     num_edge_in: int
     num_edge_out: int
     num_row_out: int
+    gathers: Tuple[Optional[torch.Tensor], ...] = ()
     vjp: Optional[Callable] = None
+
+    def gather(self, j: int) -> Optional[torch.Tensor]:
+        return self.gathers[j] if j < len(self.gathers) else None
 
 
 def _to_traversal(t: Optional[torch.Tensor], order: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -108,8 +115,13 @@ def _assemble(spec: EdgeMapSpec, per_chunk: List[Sequence[torch.Tensor]]) -> Tup
 
 
 def _chunk_inputs(spec: EdgeMapSpec, inputs: Sequence[Optional[torch.Tensor]], edge_in, chunk):
+    """What ``fn`` gets for one chunk: edge inputs sliced, node inputs whole or gathered."""
     _, _, e0, e1 = chunk
-    return [None if t is None else t[e0:e1] for t in edge_in] + list(inputs[spec.num_edge_in:])
+    nodes = []
+    for j, t in enumerate(inputs[spec.num_edge_in:]):
+        idx = spec.gather(j)
+        nodes.append(t if t is None or idx is None else t.index_select(0, idx[e0:e1]))
+    return [None if t is None else t[e0:e1] for t in edge_in] + nodes
 
 
 def _bind(spec: EdgeMapSpec, chunk, values: List, diff: List[int]):
@@ -154,15 +166,23 @@ class EdgeMap(torch.autograd.Function):
         row_grads = grads[spec.num_edge_out:spec.num_edge_out + spec.num_row_out]
         sum_grads = tuple(grads[spec.num_edge_out + spec.num_row_out:])
         edge_parts: List[List[torch.Tensor]] = [[] for _ in diff]
-        totals: List[Optional[torch.Tensor]] = [None] * len(diff)  # node inputs: summed as they come
+        # node inputs: summed as the chunks come; gathered ones by index_add of their rows' grads
+        # (out of place: under vmap, including gradcheck's batched checks, where Python cannot
+        # tell, an unbatched sum cannot take batched rows in place)
+        totals: List[Optional[torch.Tensor]] = [None] * len(diff)
         for chunk in spec.chunks.ranges:
             n0, n1, e0, e1 = chunk
             values = _chunk_inputs(spec, inputs, edge_in, chunk)
             _, vjp_fn = torch.func.vjp(_bind(spec, chunk, values, diff), *[values[i] for i in diff])
             cts = tuple(g[e0:e1] for g in edge_grads) + tuple(g[n0:n1] for g in row_grads) + sum_grads
             for k, g in enumerate(vjp_fn(cts)):
-                if diff[k] < ne:
+                i = diff[k]
+                idx = spec.gather(i - ne) if i >= ne else None
+                if i < ne:
                     edge_parts[k].append(g)
+                elif idx is not None:
+                    total = torch.zeros_like(inputs[i]) if totals[k] is None else totals[k]
+                    totals[k] = total.index_add(0, idx[e0:e1], g)
                 else:
                     totals[k] = g if totals[k] is None else totals[k] + g
         result: List[Optional[torch.Tensor]] = [None] * len(inputs)

@@ -191,15 +191,16 @@ class _Gatv2EdgeMaps:
             self.by_src = EdgeChunks(rev_edge, node_ranges(rev_indptr, step))
             self.rev_src, self.rev_dst = self.src.index_select(0, rev_edge), rev_dst.long()
 
-    def _preact(self, s_idx, d_idx, x_src, x_dst, ea, w):
-        z = x_src.index_select(0, s_idx) + x_dst.index_select(0, d_idx)
+    @staticmethod
+    def _preact(xs_rows, xd_rows, ea, w):
         term = _edge_term(ea, w)
-        return z if term is None else z + term
+        return xs_rows + xd_rows if term is None else xs_rows + xd_rows + term
 
-    # chunk functions (see EdgeMapSpec): edge inputs (ds,) ea; node inputs x_src, x_dst, att, w
+    # chunk functions (see EdgeMapSpec): edge inputs (ds,) ea; node inputs the chunk's x_src and
+    # x_dst rows (gathered by EdgeMap), att, w
     def _scores_chunk(self, n0, n1, e0, e1, edge_in, nodes):
-        (ea,), (x_src, x_dst, att, w) = edge_in, nodes
-        z = self._preact(self.src[e0:e1], self.dst[e0:e1], x_src, x_dst, ea, w)
+        (ea,), (xs_rows, xd_rows, att, w) = edge_in, nodes
+        z = self._preact(xs_rows, xd_rows, ea, w)
         return ((F.leaky_relu(z, self.slope) * att).sum(-1),)
 
     def _dz(self, ds, z, att):
@@ -208,9 +209,9 @@ class _Gatv2EdgeMaps:
     def _by_dst_chunk(self, needs, n0, n1, e0, e1, edge_in, nodes):
         """needs = (x_dst, att, edge_attr, edge_weight): ``(g_edge_attr rows, g_x_dst rows,
         g_att, g_edge_weight)``, the ones needed."""
-        (ds, ea), (x_src, x_dst, att, w) = edge_in, nodes
+        (ds, ea), (xs_rows, xd_rows, att, w) = edge_in, nodes
         d_idx = self.dst[e0:e1]
-        z = self._preact(self.src[e0:e1], d_idx, x_src, x_dst, ea, w)
+        z = self._preact(xs_rows, xd_rows, ea, w)
         dz = self._dz(ds, z, att)
         width = dz.size(1) * dz.size(2)
         flat = dz.reshape(dz.size(0), width)  # explicit sizes: a chunk may have no edges
@@ -226,10 +227,9 @@ class _Gatv2EdgeMaps:
         return (*edge_out, *rows, *sums)
 
     def _by_src_chunk(self, n0, n1, e0, e1, edge_in, nodes):
-        (ds, ea), (x_src, x_dst, att, w) = edge_in, nodes
-        s_idx = self.rev_src[e0:e1]
-        dz = self._dz(ds, self._preact(s_idx, self.rev_dst[e0:e1], x_src, x_dst, ea, w), att)
-        return (dz.new_zeros((n1 - n0,) + dz.shape[1:]).index_add(0, s_idx - n0, dz),)
+        (ds, ea), (xs_rows, xd_rows, att, w) = edge_in, nodes
+        dz = self._dz(ds, self._preact(xs_rows, xd_rows, ea, w), att)
+        return (dz.new_zeros((n1 - n0,) + dz.shape[1:]).index_add(0, self.rev_src[e0:e1] - n0, dz),)
 
     # maps
     def scores(self, x_src, x_dst, att, ea, w):
@@ -238,7 +238,7 @@ class _Gatv2EdgeMaps:
             ea_, xs, xd, a, w_ = inputs
             g = self.scores_vjp(grads[0], xs, xd, a, ea_, w_, (needs[1], needs[2], needs[3], needs[0], needs[4]))
             return g[3], g[0], g[1], g[2], g[4]
-        spec = EdgeMapSpec(self._scores_chunk, self.by_dst, 1, 1, 0, vjp)
+        spec = EdgeMapSpec(self._scores_chunk, self.by_dst, 1, 1, 0, (self.src, self.dst), vjp)
         return EdgeMap.apply(spec, ea, x_src, x_dst, att, w)[0]
 
     def scores_vjp(self, ds, x_src, x_dst, att, ea, w, needs):
@@ -249,13 +249,13 @@ class _Gatv2EdgeMaps:
         rest = (needs[1], needs[2], needs[3], needs[4])
         if any(rest):
             spec = EdgeMapSpec(functools.partial(self._by_dst_chunk, rest), self.by_dst, 2, int(needs[3]),
-                               int(needs[1]), None)
+                               int(needs[1]), (self.src, self.dst))
             outs = list(EdgeMap.apply(spec, ds, ea, x_src, x_dst, att, w))
             for i in (3, 1, 2, 4):  # the chunk function's output order
                 if needs[i]:
                     grads[i] = outs.pop(0)
         if needs[0]:
-            spec = EdgeMapSpec(self._by_src_chunk, self.by_src, 2, 0, 1, None)
+            spec = EdgeMapSpec(self._by_src_chunk, self.by_src, 2, 0, 1, (self.rev_src, self.rev_dst))
             grads[0] = EdgeMap.apply(spec, ds, ea, x_src, x_dst, att, w)[0]
         return grads
 
