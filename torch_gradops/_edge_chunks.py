@@ -3,10 +3,12 @@
 Some higher-order paths (GATv2's double backward, ``torch.func.grad``/``jacrev``/``hessian``)
 need functions of the edges whose intermediates are ``[E, H, C]``. :class:`EdgeMap` applies such
 a function to one chunk of edges at a time and keeps only its inputs: its backward and forward
-derivatives recompute each chunk under ``torch.func.vjp``, so no more than one chunk's
-intermediates are alive at once, at every order (reverse, forward, vmap, and any nesting of
-them that torch.func allows). Chunks are ranges of whole nodes in a traversal order of the
-edges (CSC, or grouped by source), so a per-node sum over a chunk's edges is a block of rows.
+derivatives recompute each chunk under ``torch.func.vjp`` (exact at every order, under vmap and
+any nesting torch.func allows), so a pass through it holds one chunk's intermediates at a
+time. A pass that is itself recorded for a further derivative (a third derivative of the
+original function) keeps what it recomputed, every chunk's. Chunks are ranges of whole nodes in
+a traversal order of the edges (CSC, or grouped by source), so a per-node sum over a chunk's
+edges is a block of rows.
 
 (``torch.utils.checkpoint`` does the same for plain autograd, but torch.func refuses the saved
 tensor hooks it relies on.)
@@ -88,40 +90,79 @@ class EdgeMapSpec:
         return self.gathers[j] if j < len(self.gathers) else None
 
 
-def _to_traversal(t: Optional[torch.Tensor], order: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    return t if t is None or order is None else t.index_select(0, order)
+class _RowSink:
+    """Chunks' row blocks written into one ``[total, ...]`` tensor as they come: rows
+    ``b0..b1`` of a chunk go to ``order[b0:b1]`` (``order`` None: to ``b0..b1``), so that the
+    parts are never all alive beside their concatenation. In place where torch allows (not
+    into an unbatched buffer under vmap; there a copy per chunk)."""
+
+    def __init__(self, total: int, order: Optional[torch.Tensor] = None):
+        self.total, self.order, self.out = total, order, None
+
+    def add(self, b0: int, b1: int, part: torch.Tensor) -> None:
+        if self.out is None:
+            self.out = part.new_zeros((self.total,) + tuple(part.shape[1:]))
+        pos = self.order[b0:b1] if self.order is not None else None
+        try:
+            if pos is None:
+                self.out.narrow(0, b0, b1 - b0).copy_(part)
+            else:
+                self.out.index_copy_(0, pos, part)
+        except RuntimeError:
+            if pos is None:
+                pos = torch.arange(b0, b1, device=part.device)
+            self.out = self.out.index_copy(0, pos, part)
 
 
-def _from_traversal(t: torch.Tensor, order: Optional[torch.Tensor]) -> torch.Tensor:
-    return t if order is None else t.new_empty(t.shape).index_copy(0, order, t)
+class _Assembler:
+    """The chunks' outputs joined (see :class:`EdgeMapSpec`): per-edge ones back in CSC order
+    and per-node row blocks through :class:`_RowSink`, sums added in chunk order."""
+
+    def __init__(self, spec: EdgeMapSpec):
+        self.spec = spec
+        _, num_nodes, _, num_edges = spec.chunks.ranges[-1]
+        self.sinks = [_RowSink(num_edges, spec.chunks.order) for _ in range(spec.num_edge_out)] + \
+                     [_RowSink(num_nodes) for _ in range(spec.num_row_out)]
+        self.sums: Optional[List[torch.Tensor]] = None
+
+    def add(self, chunk, outs: Sequence[torch.Tensor]) -> None:
+        n0, n1, e0, e1 = chunk
+        for k, o in enumerate(outs[:len(self.sinks)]):
+            b0, b1 = (e0, e1) if k < self.spec.num_edge_out else (n0, n1)
+            self.sinks[k].add(b0, b1, o)
+        rest = list(outs[len(self.sinks):])
+        self.sums = rest if self.sums is None else [a + b for a, b in zip(self.sums, rest)]
+
+    def result(self) -> Tuple[torch.Tensor, ...]:
+        return tuple(k.out for k in self.sinks) + tuple(self.sums or ())
 
 
-def _assemble(spec: EdgeMapSpec, per_chunk: List[Sequence[torch.Tensor]]) -> Tuple[torch.Tensor, ...]:
-    """The chunks' outputs joined: per-edge and per-node parts concatenated (per-edge ones back
-    in CSC order), sums added in chunk order."""
-    n_cat = spec.num_edge_out + spec.num_row_out
-    out = []
-    for k in range(len(per_chunk[0])):
-        parts = [c[k] for c in per_chunk]
-        if k < n_cat:
-            joined = torch.cat(parts) if len(parts) > 1 else parts[0]
-            out.append(_from_traversal(joined, spec.chunks.order) if k < spec.num_edge_out else joined)
-        else:
-            total = parts[0]
-            for p in parts[1:]:
-                total = total + p
-            out.append(total)
-    return tuple(out)
+def _edge_slice(t: Optional[torch.Tensor], order: Optional[torch.Tensor], e0: int, e1: int):
+    """Traversal positions ``e0..e1`` of a per-edge tensor in CSC order (a gather of the
+    chunk's rows, never a permuted copy of the whole tensor)."""
+    if t is None:
+        return None
+    return t[e0:e1] if order is None else t.index_select(0, order[e0:e1])
 
 
-def _chunk_inputs(spec: EdgeMapSpec, inputs: Sequence[Optional[torch.Tensor]], edge_in, chunk):
-    """What ``fn`` gets for one chunk: edge inputs sliced, node inputs whole or gathered."""
+def _chunk_inputs(spec: EdgeMapSpec, inputs: Sequence[Optional[torch.Tensor]], chunk):
+    """What ``fn`` gets for one chunk: edge inputs' rows, node inputs whole or gathered."""
     _, _, e0, e1 = chunk
     nodes = []
     for j, t in enumerate(inputs[spec.num_edge_in:]):
         idx = spec.gather(j)
         nodes.append(t if t is None or idx is None else t.index_select(0, idx[e0:e1]))
-    return [None if t is None else t[e0:e1] for t in edge_in] + nodes
+    return [_edge_slice(t, spec.chunks.order, e0, e1) for t in inputs[:spec.num_edge_in]] + nodes
+
+
+def _index_add(total: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """``total.index_add(0, rows, g)``, in place when torch allows: under vmap (also
+    gradcheck's batched checks, where Python cannot tell) an unbatched total cannot take
+    batched rows in place."""
+    try:
+        return total.index_add_(0, rows, g)
+    except RuntimeError:
+        return total.index_add(0, rows, g)
 
 
 def _bind(spec: EdgeMapSpec, chunk, values: List, diff: List[int]):
@@ -142,10 +183,10 @@ class EdgeMap(torch.autograd.Function):
 
     @staticmethod
     def forward(spec: EdgeMapSpec, *inputs):
-        edge_in = [_to_traversal(t, spec.chunks.order) for t in inputs[:spec.num_edge_in]]
-        per_chunk = [_bind(spec, chunk, _chunk_inputs(spec, inputs, edge_in, chunk), [])()
-                     for chunk in spec.chunks.ranges]
-        return _assemble(spec, per_chunk)
+        out = _Assembler(spec)
+        for chunk in spec.chunks.ranges:
+            out.add(chunk, _bind(spec, chunk, _chunk_inputs(spec, inputs, chunk), [])())
+        return out.result()
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -161,35 +202,34 @@ class EdgeMap(torch.autograd.Function):
             return (None, *spec.vjp(inputs, grads, needs))
         diff = [i for i, (t, n) in enumerate(zip(inputs, needs)) if n and t is not None]
         order, ne = spec.chunks.order, spec.num_edge_in
-        edge_in = [_to_traversal(t, order) for t in inputs[:ne]]
-        edge_grads = [_to_traversal(g, order) for g in grads[:spec.num_edge_out]]
+        edge_grads = grads[:spec.num_edge_out]
         row_grads = grads[spec.num_edge_out:spec.num_edge_out + spec.num_row_out]
         sum_grads = tuple(grads[spec.num_edge_out + spec.num_row_out:])
-        edge_parts: List[List[torch.Tensor]] = [[] for _ in diff]
-        # node inputs: summed as the chunks come; gathered ones by index_add of their rows' grads
-        # (out of place: under vmap, including gradcheck's batched checks, where Python cannot
-        # tell, an unbatched sum cannot take batched rows in place)
+        num_edges = spec.chunks.ranges[-1][3]
+        edge_sinks = {k: _RowSink(num_edges, order) for k, i in enumerate(diff) if i < ne}
+        # node inputs: summed as the chunks come, gathered ones by index_add of their rows' grads
         totals: List[Optional[torch.Tensor]] = [None] * len(diff)
         for chunk in spec.chunks.ranges:
             n0, n1, e0, e1 = chunk
-            values = _chunk_inputs(spec, inputs, edge_in, chunk)
+            values = _chunk_inputs(spec, inputs, chunk)
             _, vjp_fn = torch.func.vjp(_bind(spec, chunk, values, diff), *[values[i] for i in diff])
-            cts = tuple(g[e0:e1] for g in edge_grads) + tuple(g[n0:n1] for g in row_grads) + sum_grads
+            cts = tuple(_edge_slice(g, order, e0, e1) for g in edge_grads) + \
+                tuple(g[n0:n1] for g in row_grads) + sum_grads
             for k, g in enumerate(vjp_fn(cts)):
                 i = diff[k]
                 idx = spec.gather(i - ne) if i >= ne else None
                 if i < ne:
-                    edge_parts[k].append(g)
+                    edge_sinks[k].add(e0, e1, g)
                 elif idx is not None:
-                    total = torch.zeros_like(inputs[i]) if totals[k] is None else totals[k]
-                    totals[k] = total.index_add(0, idx[e0:e1], g)
+                    # (zeros made from g: batched under vmap when g is, so the sum stays in place)
+                    total = g.new_zeros(inputs[i].shape) if totals[k] is None else totals[k]
+                    totals[k] = _index_add(total, idx[e0:e1], g)
                 else:
                     totals[k] = g if totals[k] is None else totals[k] + g
+            del vjp_fn  # this chunk's intermediates go before the next chunk's are made
         result: List[Optional[torch.Tensor]] = [None] * len(inputs)
         for k, i in enumerate(diff):
-            parts = edge_parts[k]
-            result[i] = _from_traversal(torch.cat(parts) if len(parts) > 1 else parts[0], order) if i < ne \
-                else totals[k]
+            result[i] = edge_sinks[k].out if i < ne else totals[k]
         return (None, *result)
 
     @staticmethod
@@ -198,19 +238,16 @@ class EdgeMap(torch.autograd.Function):
         # since torch.func.jvp inside a Function's jvp would nest forward levels, which torch
         # refuses under plain forward AD.
         spec, inputs = ctx.spec, ctx.saved_tensors
-        order, ne = spec.chunks.order, spec.num_edge_in
         diff = [i for i, (t, tt) in enumerate(zip(inputs, tangents)) if t is not None and tt is not None]
-        edge_in = [_to_traversal(t, order) for t in inputs[:ne]]
-        edge_tan = [_to_traversal(t, order) for t in tangents[:ne]]
-        per_chunk = []
+        out = _Assembler(spec)
         for chunk in spec.chunks.ranges:
-            values = _chunk_inputs(spec, inputs, edge_in, chunk)
-            tans = _chunk_inputs(spec, tangents, edge_tan, chunk)
+            values = _chunk_inputs(spec, inputs, chunk)
+            tans = _chunk_inputs(spec, tangents, chunk)
             f = _bind(spec, chunk, values, diff)
             primals = [values[i] for i in diff]
             zeros = tuple(torch.zeros_like(o) for o in f(*primals))
 
             def transpose(u, f=f, primals=primals):
                 return torch.func.vjp(f, *primals)[1](u)
-            per_chunk.append(torch.func.vjp(transpose, zeros)[1](tuple(tans[i] for i in diff))[0])
-        return _assemble(spec, per_chunk)
+            out.add(chunk, torch.func.vjp(transpose, zeros)[1](tuple(tans[i] for i in diff))[0])
+        return out.result()

@@ -176,7 +176,8 @@ class _Gatv2EdgeMaps:
       ``att`` and ``edge_weight`` as sums, grad ``edge_attr`` per edge.
 
     The scores' backward is :meth:`scores_vjp`, and that one's derivatives recompute its chunks,
-    so every order keeps to one chunk's ``[chunk, H, C]`` temporaries."""
+    so first and second derivatives of the op keep to one chunk's ``[chunk, H, C]``
+    temporaries (a third derivative records the second's recomputed chunks)."""
 
     def __init__(self, edges: _Edges, heads: int, channels: int, negative_slope: float):
         self.slope = float(negative_slope)
@@ -393,7 +394,7 @@ class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
     Backward: the deterministic kernel. Under ``create_graph=True`` (and every torch.func
     reverse transform, and for batched output gradients from vmap) it switches to a
     differentiable recomputation (exact at every order) whose ``E x H x C`` intermediates live
-    one chunk of edges at a time (:func:`_gatv2_backward_recomputing`; inside
+    one chunk of edges at a time through second derivatives (:func:`_gatv2_backward_recomputing`; inside
     ``torch.compile``, plain PyTorch ops that build them whole). Forward-mode AD (``jvp``) is
     composite, in edge chunks whose temporaries hold about ``E x H`` elements.
     """
