@@ -103,6 +103,13 @@ def _edge_term(edge_attr, edge_weight):
     return (edge_attr @ edge_weight.reshape(k, heads * channels)).reshape(edge_attr.shape[0], heads, channels)
 
 
+def _preactivation(xs_rows, xd_rows, edge_attr, edge_weight):
+    """``z = x_src[j] + x_dst[i]`` (the endpoints' rows, gathered) ``+`` the edge term: the
+    pre-activation of every path but the kernels', summed in that order."""
+    term = _edge_term(edge_attr, edge_weight)
+    return xs_rows + xd_rows if term is None else xs_rows + xd_rows + term
+
+
 def _leaky_slope(z: torch.Tensor, negative_slope: float) -> torch.Tensor:
     """d leaky_relu(z) / dz in z's dtype (a Python-scalar torch.where would round the slope to
     float32)."""
@@ -127,9 +134,7 @@ def _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, edge_attr
         cast, (x_src, x_dst, att, edge_attr, edge_weight, grad_out, grad_alpha))
     heads = att.size(0)
     xs_e = x_src.index_select(0, src)
-    z = xs_e + x_dst.index_select(0, dst)
-    if edge_attr is not None:
-        z = z + _edge_term(edge_attr, edge_weight)
+    z = _preactivation(xs_e, x_dst.index_select(0, dst), edge_attr, edge_weight)
     lr = F.leaky_relu(z, negative_slope)
     s = (lr * att).sum(-1)
     smax = torch.full((num_dst, heads), float("-inf"), dtype=acc, device=s.device)
@@ -192,16 +197,11 @@ class _Gatv2EdgeMaps:
             self.by_src = EdgeChunks(rev_edge, node_ranges(rev_indptr, step))
             self.rev_src, self.rev_dst = self.src.index_select(0, rev_edge), rev_dst.long()
 
-    @staticmethod
-    def _preact(xs_rows, xd_rows, ea, w):
-        term = _edge_term(ea, w)
-        return xs_rows + xd_rows if term is None else xs_rows + xd_rows + term
-
     # chunk functions (see EdgeMapSpec): edge inputs (ds,) ea; node inputs the chunk's x_src and
     # x_dst rows (gathered by EdgeMap), att, w
     def _scores_chunk(self, n0, n1, e0, e1, edge_in, nodes):
         (ea,), (xs_rows, xd_rows, att, w) = edge_in, nodes
-        z = self._preact(xs_rows, xd_rows, ea, w)
+        z = _preactivation(xs_rows, xd_rows, ea, w)
         return ((F.leaky_relu(z, self.slope) * att).sum(-1),)
 
     def _dz(self, ds, z, att):
@@ -212,7 +212,7 @@ class _Gatv2EdgeMaps:
         g_att, g_edge_weight)``, the ones needed."""
         (ds, ea), (xs_rows, xd_rows, att, w) = edge_in, nodes
         d_idx = self.dst[e0:e1]
-        z = self._preact(xs_rows, xd_rows, ea, w)
+        z = _preactivation(xs_rows, xd_rows, ea, w)
         dz = self._dz(ds, z, att)
         width = dz.size(1) * dz.size(2)
         flat = dz.reshape(dz.size(0), width)  # explicit sizes: a chunk may have no edges
@@ -229,7 +229,7 @@ class _Gatv2EdgeMaps:
 
     def _by_src_chunk(self, n0, n1, e0, e1, edge_in, nodes):
         (ds, ea), (xs_rows, xd_rows, att, w) = edge_in, nodes
-        dz = self._dz(ds, self._preact(xs_rows, xd_rows, ea, w), att)
+        dz = self._dz(ds, _preactivation(xs_rows, xd_rows, ea, w), att)
         return (dz.new_zeros((n1 - n0,) + dz.shape[1:]).index_add(0, self.rev_src[e0:e1] - n0, dz),)
 
     # maps
@@ -292,9 +292,9 @@ def _gatv2_composite(x_src, x_dst, att, edge_attr, edge_weight, graph: Bipartite
     acc = _acc_dtype(x_src.dtype)
     xs = x_src.to(acc)
     src, dst = _composite_edges(graph)
-    z = xs.index_select(0, src) + x_dst.to(acc).index_select(0, dst)
-    if edge_attr is not None:
-        z = z + _edge_term(edge_attr.to(acc), None if edge_weight is None else edge_weight.to(acc))
+    z = _preactivation(xs.index_select(0, src), x_dst.to(acc).index_select(0, dst),
+                       None if edge_attr is None else edge_attr.to(acc),
+                       None if edge_weight is None else edge_weight.to(acc))
     scores = (F.leaky_relu(z, negative_slope) * att.to(acc)).sum(-1)
     return _attend_composite(scores, xs, graph, src, dst, mask, dropout_scale, x_src.dtype)
 
@@ -428,9 +428,7 @@ def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, n
 
     def z_of(lo, hi):
         s, d = src[lo:hi], dst[lo:hi]
-        z = xs.index_select(0, s) + xd.index_select(0, d)
-        if ea_a is not None:
-            z = z + _edge_term(ea_a[lo:hi], w_a)
+        z = _preactivation(xs.index_select(0, s), xd.index_select(0, d), None if ea_a is None else ea_a[lo:hi], w_a)
         tz = None
         for t, idx in ((t_xs, s), (t_xd, d)):
             if t is not None:
