@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# CUDA checks and GPU benchmarks on a machine with an NVIDIA GPU whose python3 already holds
+# PyTorch and which has no package registry (the README's "GPU validation" section):
+#
+#   bash scripts/gpu_session.sh STAGE...        stages run in the order given:
+#     build      pip install --no-build-isolation --no-deps -e . for the visible GPU's architecture
+#     smoke      scripts/cuda_smoke.py: every kernel once, checked against the CPU kernels
+#     cuda-tests pytest -m cuda (the CUDA cases of the test suite)
+#     suite      the whole test suite with the GPU visible
+#     sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck on cuda_smoke.py --small
+#     bench-gat, bench-gat-bf16, bench-gatv2, bench-conv
+#                the GPU benchmarks (JSON in benchmarks/results/*_cuda*.json): the GAT op at E = 2M,
+#                10M, 50M in float32 and bfloat16, the GATv2 op, GATConv/GATv2Conv against PyG's
+#
+# Packages the machine lacks (cotengra, autoray, quimb, cytoolz) are taken from wheels in .whl/
+# when present (installed into /tmp/torch_gradops_site on every call, a few seconds). Each stage
+# writes LOGDIR/<stage>.log and a line to LOGDIR/summary.txt (LOGDIR: gpu_logs); at the end the
+# logs and the benchmarks' CUDA JSON are packed into gpu_logs.tar.gz, which goes, with
+# summary.txt, to $OUT when that is set (the device tool returns at most 8 files).
+# A failing stage does not stop the later ones (a failed build does). Exit status: the number of
+# failed stages. A lent machine runs a call for at most 10 minutes and stays warm (keeping the
+# build) for 30 s after it: "build smoke cuda-tests sanitize", then the benchmarks, a stage or
+# two per call.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+LOGDIR="${LOGDIR:-gpu_logs}"
+mkdir -p "$LOGDIR"
+SUMMARY="$LOGDIR/summary.txt"
+
+if ls .whl/*.whl >/dev/null 2>&1 && [[ ":${PYTHONPATH:-}:" != *:/tmp/torch_gradops_site:* ]]; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/torch_gradops_site .whl/*.whl >"$LOGDIR/wheels.log" 2>&1 || echo "wheels: install failed" >>"$SUMMARY"
+  export PYTHONPATH="/tmp/torch_gradops_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ -z "${TORCH_CUDA_ARCH_LIST:-}" ]; then
+  TORCH_CUDA_ARCH_LIST="$("$PY" -c 'import torch; print("%d.%d" % torch.cuda.get_device_capability())' 2>/dev/null || echo 9.0)"
+  export TORCH_CUDA_ARCH_LIST
+fi
+export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
+SIZES="100000:2000000 500000:10000000 2500000:50000000"  # NODES:EDGES of the GAT op benchmark (E = 2M, 10M, 50M)
+
+failed=0
+stage() {  # stage NAME TIMEOUT_S COMMAND...: run, log, time and record one stage
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS rc
+  echo "== $name: $*" | tee -a "$LOGDIR/$name.log"
+  timeout --kill-after=10 "$limit" "$@" >>"$LOGDIR/$name.log" 2>&1
+  rc=$?
+  printf '%-12s rc=%-3s %4ss  %s\n' "$name" "$rc" "$((SECONDS - t0))" "$*" | tee -a "$SUMMARY"
+  tail -n 3 "$LOGDIR/$name.log"
+  [ "$rc" = 0 ] || failed=$((failed + 1))
+  return "$rc"
+}
+
+sanitize() {  # (internal stage __sanitize)
+  local tool rc=0
+  for tool in memcheck racecheck synccheck initcheck; do
+    echo "-- $tool"
+    compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 50 \
+      "$PY" scripts/cuda_smoke.py --small >"$LOGDIR/sanitize_$tool.log" 2>&1 || rc=1
+    tail -n 4 "$LOGDIR/sanitize_$tool.log"
+  done
+  return "$rc"
+}
+
+case "${1:-}" in  # stages that are shell functions run in a child, under the stage's timeout
+  __sanitize) sanitize; exit $? ;;
+esac
+[ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
+for s in "$@"; do
+  case "$s" in
+    build|smoke|cuda-tests|suite|sanitize|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
+    *) echo "unknown stage: $s (build smoke cuda-tests suite sanitize bench-gat bench-gat-bf16 bench-gatv2" \
+            "bench-conv)" >&2; exit 2 ;;
+  esac
+done
+{ echo "# $(date -u +%FT%TZ) $(hostname)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1; } >>"$SUMMARY"
+for s in "$@"; do
+  case "$s" in
+    build) stage build 540 "$PY" -m pip install --no-build-isolation --no-deps -e . \
+             && stage import 60 "$PY" -c 'import torch_gradops as t; assert t.built_with_cuda(), "no CUDA kernels"' \
+             || break ;;
+    smoke) stage smoke 300 "$PY" scripts/cuda_smoke.py ;;
+    cuda-tests) stage cuda-tests 420 "$PY" -m pytest -q -m cuda -p no:cacheprovider ;;
+    suite) stage suite 540 "$PY" -m pytest -q -p no:cacheprovider ;;
+    sanitize) stage sanitize 540 bash "$0" __sanitize ;;
+    bench-gat) stage bench-gat 540 "$PY" benchmarks/gat_attention.py --device cuda --sizes $SIZES \
+                 --out benchmarks/results/gat_attention_cuda.json ;;
+    bench-gat-bf16) stage bench-gat-bf16 540 "$PY" benchmarks/gat_attention.py --device cuda --dtype bfloat16 \
+                      --sizes $SIZES --out benchmarks/results/gat_attention_cuda_bf16.json ;;
+    bench-gatv2) stage bench-gatv2 540 "$PY" benchmarks/gatv2_attention.py --device cuda \
+                   --sizes 100000:2000000 500000:10000000 --out benchmarks/results/gatv2_attention_cuda.json ;;
+    bench-conv) stage bench-conv 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gat \
+                  --sizes 100000:2000000,500000:10000000 --out benchmarks/results/gat_conv_cuda.json
+                stage bench-conv 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gatv2 --edge-dims 0,16 \
+                  --sizes 100000:2000000 --out benchmarks/results/gatv2_conv_cuda.json ;;
+  esac
+done
+cp benchmarks/results/*cuda*.json "$LOGDIR"/ 2>/dev/null
+tar -czf gpu_logs.tar.gz -C "$(dirname "$LOGDIR")" "$(basename "$LOGDIR")"
+if [ -n "${OUT:-}" ]; then
+  cp gpu_logs.tar.gz "$SUMMARY" "$OUT"/
+fi
+cat "$SUMMARY"
+exit "$failed"

@@ -1,0 +1,51 @@
+"""The GPU validation scripts (scripts/cuda_smoke.py, scripts/gpu_session.sh) stay runnable
+where no GPU is: CI never has one, and a lent GPU machine's minutes must not go to a broken
+script."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(args, **kw):
+    return subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, **kw)
+
+
+def test_cuda_smoke_runs_on_the_cpu():
+    """The smoke driver's calls and checks, run CPU against CPU (must pass)."""
+    r = _run([sys.executable, "scripts/cuda_smoke.py", "--device", "cpu", "--small"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "0 failure(s)" in r.stdout
+
+
+def test_cuda_smoke_checks_can_fail():
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    try:
+        import cuda_smoke
+    finally:
+        sys.path.pop(0)
+    import torch
+    cuda_smoke.FAILURES.clear()
+    cuda_smoke.check("off", torch.ones(3) * 1.01, torch.ones(3), torch.float32)
+    cuda_smoke.check("shape", torch.ones(3), torch.ones(2), torch.float32)
+    cuda_smoke.check("nan", torch.full((2,), float("nan")), torch.ones(2), torch.float64)
+    cuda_smoke.check_bitwise("bits", [torch.ones(2, dtype=torch.float64)], [torch.ones(2, dtype=torch.float64) + 1e-12])
+    cuda_smoke.check("fine", torch.ones(3) * (1 + 1e-5), torch.ones(3), torch.float32)
+    assert [f.split(":")[0] for f in cuda_smoke.FAILURES] == ["off", "shape", "nan", "bits"]
+    cuda_smoke.FAILURES.clear()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script")
+def test_gpu_session_refuses_unknown_stages(tmp_path):
+    r = _run(["bash", "scripts/gpu_session.sh", "smoke", "no-such-stage"],
+             env={**os.environ, "PYTHON": sys.executable, "LOGDIR": str(tmp_path / "logs")})
+    assert r.returncode == 2
+    assert "unknown stage: no-such-stage" in r.stderr
+    assert not (tmp_path / "logs" / "smoke.log").exists()  # nothing ran
+
+
+def test_gpu_session_is_valid_bash():
+    assert _run(["bash", "-n", "scripts/gpu_session.sh"]).returncode == 0
