@@ -8,6 +8,8 @@
 #     cuda-tests pytest -m cuda (the CUDA cases of the test suite)
 #     suite      the whole test suite with the GPU visible
 #     sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck on cuda_smoke.py --small
+#     peers      build the source distributions in .whl/ (turbo-gnn: CUDA GNN kernels, a GATv2 peer)
+#                into /tmp/torch_gradops_site
 #     bench-gat, bench-gat-bf16, bench-gatv2, bench-conv
 #                the GPU benchmarks (JSON in benchmarks/results/*_cuda*.json): the GAT op at E = 2M,
 #                10M, 50M in float32 and bfloat16, the GATv2 op, GATConv/GATv2Conv against PyG's
@@ -71,9 +73,9 @@ esac
 [ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
 for s in "$@"; do
   case "$s" in
-    build|smoke|cuda-tests|suite|sanitize|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
-    *) echo "unknown stage: $s (build smoke cuda-tests suite sanitize bench-gat bench-gat-bf16 bench-gatv2" \
-            "bench-conv)" >&2; exit 2 ;;
+    build|smoke|cuda-tests|suite|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
+    *) echo "unknown stage: $s (build smoke cuda-tests suite sanitize peers bench-gat bench-gat-bf16" \
+            "bench-gatv2 bench-conv)" >&2; exit 2 ;;
   esac
 done
 { echo "# $(date -u +%FT%TZ) $(hostname)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
@@ -87,6 +89,8 @@ for s in "$@"; do
     cuda-tests) stage cuda-tests 420 "$PY" -m pytest -q -m cuda -p no:cacheprovider ;;
     suite) stage suite 540 "$PY" -m pytest -q -p no:cacheprovider ;;
     sanitize) stage sanitize 540 bash "$0" __sanitize ;;
+    peers) stage peers 540 bash -c '[ -z "$(ls .whl/*.tar.gz 2>/dev/null)" ] || "$0" -m pip install --no-build-isolation \
+             --no-deps --no-cache-dir --target /tmp/torch_gradops_site .whl/*.tar.gz' "$PY" ;;
     bench-gat) stage bench-gat 540 "$PY" benchmarks/gat_attention.py --device cuda --sizes $SIZES \
                  --out benchmarks/results/gat_attention_cuda.json ;;
     bench-gat-bf16) stage bench-gat-bf16 540 "$PY" benchmarks/gat_attention.py --device cuda --dtype bfloat16 \
