@@ -19,8 +19,8 @@ Peak extra memory:
   * CUDA: ``torch.cuda.max_memory_allocated() - memory_allocated()`` at the start (tensor bytes).
 
 Usage: ``python benchmarks/gat_conv.py [--layer gat|gatv2] [--edge-dims 0,16] [--device cpu|cuda]
-[--threads 2] [--sizes 10000:200000,...]``. Writes ``benchmarks/results/<layer>_conv_<device>.json``
-and prints a table.
+[--threads 2] [--sizes 10000:200000,...] [--graph uniform|powerlaw|powerlaw-by-degree]``. Writes
+``benchmarks/results/<layer>_conv_<device>[_<graph>].json`` and prints a table.
 """
 from __future__ import annotations
 
@@ -36,6 +36,16 @@ sys.path.insert(0, HERE)
 from _common import PeakMemory, format_bytes, machine_info, run_worker  # noqa: E402
 
 
+GRAPHS = ("uniform", "powerlaw", "powerlaw-by-degree")
+GRAPH_TEXT = {
+    "uniform": "uniform random edge_index (seed 0), x ~ N(0, 1)",
+    "powerlaw": "power-law in- and out-degrees, exponent 2.1 (torch_gradops.testing.powerlaw_edge_index, "
+                "seed 0), node ids shuffled; x ~ N(0, 1)",
+    "powerlaw-by-degree": "power-law in- and out-degrees, exponent 2.1 (torch_gradops.testing."
+                          "powerlaw_edge_index, seed 0), node ids numbered by degree, hubs first; x ~ N(0, 1)",
+}
+
+
 # ---------------------------------------------------------------------------- worker side
 def worker(args) -> dict:
     import torch
@@ -48,7 +58,12 @@ def worker(args) -> dict:
     dev = torch.device(args.device)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.nodes, args.f_in, generator=g).to(dev)
-    edge_index = torch.randint(0, args.nodes, (2, args.edges), generator=g).to(dev)
+    if args.graph == "uniform":
+        edge_index = torch.randint(0, args.nodes, (2, args.edges), generator=g).to(dev)
+    else:  # power-law in- and out-degrees (exponent 2.1), ids shuffled or numbered by degree
+        from torch_gradops.testing import powerlaw_edge_index
+        edge_index = powerlaw_edge_index(args.nodes, args.edges, seed=0,
+                                         by_degree=args.graph == "powerlaw-by-degree").to(dev)
     edge_dim = args.edge_dim or None
     edge_attr = torch.randn(args.edges, edge_dim, generator=g).to(dev) if edge_dim else None
     torch.manual_seed(0)
@@ -87,7 +102,7 @@ def worker(args) -> dict:
 def run_config(impl, mode, nodes, edges, edge_dim, a) -> dict:
     return run_worker(os.path.abspath(__file__),
                       ["--impl", impl, "--mode", mode, "--nodes", str(nodes), "--edges", str(edges),
-                       "--layer", a.layer, "--edge-dim", str(edge_dim),
+                       "--layer", a.layer, "--edge-dim", str(edge_dim), "--graph", a.graph,
                        "--device", a.device, "--threads", str(a.threads), "--repeats", str(a.repeats),
                        "--f-in", str(a.f_in), "--heads", str(a.heads), "--channels", str(a.channels)],
                       timeout=a.timeout, env={"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)})
@@ -117,6 +132,9 @@ def main():
     p.add_argument("--sizes", default=None,
                    help="comma-separated N:E pairs (default: 10000:200000,100000:2000000 for gat and "
                         "50000:1000000,100000:2000000 for gatv2 on CPU, plus 1000000:10000000 on CUDA)")
+    p.add_argument("--graph", choices=GRAPHS, default="uniform",
+                   help="uniform random edges; power-law in- and out-degrees (torch_gradops.testing."
+                        "powerlaw_edge_index, exponent 2.1) with shuffled ids, or with ids numbered by degree")
     p.add_argument("--timeout", type=int, default=900)
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -135,7 +153,7 @@ def main():
     info = machine_info(a.device)
     info["threads"] = a.threads
     results = []
-    print(f"{layer_name} benchmark on {a.device} ({info['cpu']}, {a.threads} threads), F_in={a.f_in}, "
+    print(f"{layer_name} benchmark on {a.device} ({info['cpu']}, {a.threads} threads), {a.graph} graph, F_in={a.f_in}, "
           f"heads={a.heads}, C={a.channels}; median of {a.repeats} after 1 warm-up, fresh process each")
     header = f"{'N':>9s} {'E':>10s} {'e_dim':>5s} {'mode':>8s} | {'PyG':>10s} {'ours':>10s} {'speed-up':>8s} " \
              f"{'(cpu-t)':>8s} | {'PyG peak':>13s} {'ours peak':>13s} {'mem ratio':>9s}"
@@ -166,7 +184,7 @@ def main():
                 print(f"   {impl} failed: {row[impl]['error'][-300:]}")
 
     targets = None
-    if not a.device.startswith("cuda"):
+    if not a.device.startswith("cuda") and a.graph == "uniform":
         # CPU targets at the largest default size, forward+backward: GATConv >= 8x PyG's, GATv2Conv
         # >= 10x (every edge_dim); peak extra memory <= 0.1x PyG's
         need = 8 if a.layer == "gat" else 10
@@ -182,7 +200,7 @@ def main():
                      "(projections, self-loops, attention, aggregation, bias)",
         "machine": info,
         "layer": {"class": layer_name, "in_channels": a.f_in, "out_channels": a.channels, "heads": a.heads,
-                  "edge_dims": edge_dims, "add_self_loops": True, "graph": "uniform random edge_index (seed 0), x ~ N(0, 1)"},
+                  "edge_dims": edge_dims, "add_self_loops": True, "graph": GRAPH_TEXT[a.graph]},
         "method": {
             "process": "each (size, implementation, mode) in a fresh Python subprocess",
             "timing": f"median of {a.repeats} runs after 1 warm-up run (ours' cached CSC conversion "
@@ -204,8 +222,9 @@ def main():
         "results": results,
         "targets": targets,
     }
+    suffix = "" if a.graph == "uniform" else "_" + a.graph.replace("-", "_")
     out = a.out or os.path.join(HERE, "results",
-                                  f"{a.layer}_conv_{'cuda' if a.device.startswith('cuda') else 'cpu'}.json")
+                                  f"{a.layer}_conv_{'cuda' if a.device.startswith('cuda') else 'cpu'}{suffix}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(doc, f, indent=2)

@@ -9,6 +9,7 @@ from torch.func import jvp
 import torch_gradops as tg
 from conftest import DEVICES
 from gat_reference import gat_reference
+from torch_gradops.testing import powerlaw_edge_index
 
 TOL = {  # (atol, rtol) against the float64 reference
     torch.float64: (1e-10, 1e-9),
@@ -202,6 +203,33 @@ def test_backward_is_bitwise_deterministic(device):
                 assert torch.equal(a, b)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("by_degree", [True, False])
+def test_powerlaw_graph_at_every_thread_count(by_degree):
+    """Hubs numbered first put most edges in the first rows: the CPU kernels' edge-balanced row
+    ranges (several per thread here) must cover every row once, whatever the thread count: float64
+    results against the reference, and bitwise equal across thread counts."""
+    n = 300
+    ei = powerlaw_edge_index(n, 6000, by_degree=by_degree, seed=2)
+    graph = tg.BipartiteCSC.from_edge_index(ei, n, n)
+    x, a_src, a_dst, el = make_inputs(n, n, ei.size(1), 4, 16, torch.float64, "cpu")
+    go = torch.randn(n, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
+    ref = gat_reference(x, a_src, a_dst, ei, n, 0.2, el)[0]
+    ref_grads = torch.autograd.grad(ref, (x, a_src, a_dst, el), go)
+    threads = torch.get_num_threads()
+    runs = []
+    try:
+        for n_threads in (1, 2, 3):
+            torch.set_num_threads(n_threads)
+            out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
+            runs.append([out, *torch.autograd.grad(out, (x, a_src, a_dst, el), go)])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(runs[0], [ref, *ref_grads]):
+        torch.testing.assert_close(a, b)
+    for run in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
 
 
 def test_retain_graph_semantics():

@@ -34,7 +34,7 @@ using cpu::check_ptr_ends;
 using cpu::dot;
 using cpu::exp_inplace;
 using cpu::kPrefetchDistance;
-using cpu::node_grain;
+using cpu::parallel_over_rows;
 using cpu::prefetch_row;
 
 template <typename scalar_t, typename index_t>
@@ -62,7 +62,7 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
 
   // slope and neg_inf by value: read through the lambda's references, GCC did not vectorise the
   // head loops (it cannot tell the stores from them).
-  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&, slope, neg_inf](int64_t begin, int64_t end) {
+  parallel_over_rows(ptr, num_dst, HC, [&, slope, neg_inf](int64_t begin, int64_t end) {
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
     std::vector<acc_t> acc(HC), run_max(H), run_sum(H), adst(H), score(H), ex(2 * H);
     acc_t* rescale = ex.data();
@@ -195,7 +195,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   // single small line per edge for everything it needs of the destination.
   at::Tensor rec_t = at::empty({num_dst, 3 * H}, acc_opts);
   acc_t* rec = rec_t.data_ptr<acc_t>();
-  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC), [&](int64_t begin, int64_t end) {
+  parallel_over_rows(ptr, num_dst, HC, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       acc_t* r = rec + i * 3 * H;
       const int64_t e0 = ptr[i], e1 = ptr[i + 1];
@@ -237,7 +237,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   const index_t* rdst = rev_dst.data_ptr<index_t>();
   scalar_t* gxp = gx ? gx->data_ptr<scalar_t>() : nullptr;
   scalar_t* gasp = gas ? gas->data_ptr<scalar_t>() : nullptr;
-  at::parallel_for(0, num_src, node_grain(num_src, E, HC), [&](int64_t begin, int64_t end) {
+  parallel_over_rows(rptr, num_src, HC, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> accx(gx ? HC : 0), accs(H), heads(5 * H);
     acc_t* slope_grad = heads.data();
     acc_t* alphas = heads.data() + H;
@@ -321,7 +321,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   // sequential read); grad edge_logits is dz itself.
   if (gad) {
     scalar_t* gadp = gad->data_ptr<scalar_t>();
-    at::parallel_for(0, num_dst, node_grain(num_dst, E, H), [&](int64_t begin, int64_t end) {
+    parallel_over_rows(ptr, num_dst, H, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> sum(H);
       for (int64_t i = begin; i < end; ++i) {
         std::fill(sum.begin(), sum.end(), acc_t(0));
@@ -377,7 +377,7 @@ void spmm_kernel(const GatSpmmArgs& a, at::Tensor& out) {
   const index_t* eid = a.edge_ids.defined() ? a.edge_ids.data_ptr<index_t>() : nullptr;
   scalar_t* o = out.data_ptr<scalar_t>();
   check_ptr_ends(ptr, rows, E, "indptr");
-  at::parallel_for(0, rows, node_grain(rows, E, HC), [&](int64_t begin, int64_t end) {
+  parallel_over_rows(ptr, rows, HC, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> acc(HC);
     for (int64_t n = begin; n < end; ++n) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
@@ -418,7 +418,7 @@ void sddmm_kernel(const GatSddmmArgs& a, at::Tensor& out) {
   const index_t* idx = a.indices.data_ptr<index_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   check_ptr_ends(ptr, rows, E, "indptr");
-  at::parallel_for(0, rows, node_grain(rows, E, HC), [&](int64_t begin, int64_t end) {
+  parallel_over_rows(ptr, rows, HC, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const int64_t e0 = ptr[i], e1 = ptr[i + 1];
       TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");

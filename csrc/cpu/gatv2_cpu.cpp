@@ -39,7 +39,7 @@ using cpu::check_ptr_ends;
 using cpu::dot;
 using cpu::exp_inplace;
 using cpu::kPrefetchDistance;
-using cpu::node_grain;
+using cpu::parallel_over_rows;
 using cpu::prefetch_row;
 using cpu::sum8;
 
@@ -426,7 +426,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
 
   // Scalars captured by value: through the lambda's references GCC does not vectorise the head
   // loops (it cannot tell the stores from them).
-  at::parallel_for(0, num_dst, node_grain(num_dst, E, HC * (2 + K)),
+  parallel_over_rows(ptr, num_dst, HC * (2 + K),
                    [&, slope, keep_scale, neg_inf, H, C, HC, K, mode](int64_t begin, int64_t end) {
     EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode);
     // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
@@ -725,7 +725,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     const index_t* rptr = b.rev_indptr.data_ptr<index_t>();
     const index_t* redge = b.rev_edge.data_ptr<index_t>();
     const index_t* rdst = b.rev_dst.data_ptr<index_t>();
-    at::parallel_for(0, num_src, node_grain(num_src, E, HC * (2 + K)),
+    parallel_over_rows(rptr, num_src, HC * (2 + K),
                      [&, slope, H, C, HC, K, mode](int64_t begin, int64_t end) {
       // Positions k of the reverse index hold edges redge[k]: tiles of projected rows by position.
       EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, redge, mode);

@@ -1,14 +1,16 @@
 // Helpers for the CPU graph-attention kernels: row prefetch, fixed-order vector reductions,
-// a vectorisable float exp, CSC pointer checks and the parallel grain. (gat_cpu.cpp has its own
-// copies from before this header; they are the same algorithms.)
+// a vectorisable float exp, CSC pointer checks and edge-balanced parallel row ranges.
+// (gat_cpu.cpp has its own copies of some, from before this header: the same algorithms.)
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <vector>
 
 namespace torch_gradops {
 namespace cpu {
@@ -120,10 +122,41 @@ void check_ptr_ends(const index_t* ptr, int64_t n, int64_t E, const char* name) 
               " must start at 0 and end at E = ", E, " (the number of edges), got ", ptr[0], " and ", ptr[n]);
 }
 
-// Nodes per parallel chunk: enough work per task to amortise scheduling.
-inline int64_t node_grain(int64_t nodes, int64_t edges, int64_t work_per_edge) {
-  const int64_t work_per_node = std::max<int64_t>(1, (edges / std::max<int64_t>(nodes, 1) + 1) * work_per_edge);
-  return std::max<int64_t>(1, 32768 / work_per_node);
+// fn(begin, end) over ranges of the rows of a CSR/CSC pointer array (ptr[0] = 0, ptr[rows] = E,
+// as check_ptr_ends() requires), run in parallel, each range holding about the same work: its
+// edges plus one edge's worth per row (a row's own set-up and write). at::parallel_for over the
+// rows themselves splits them by count, which hands one thread the hubs of a graph numbered by
+// degree (power-law graphs often are): the GATv2 forward on such a graph (N=100k, E=2M) ran only
+// 1.15x faster on 2 threads than on 1. Ranges: a few per thread, each at least 32768 units of
+// work_per_edge (small inputs stay on one thread). A row's results never depend on the ranges.
+template <typename index_t, typename F>
+void parallel_over_rows(const index_t* ptr, int64_t rows, int64_t work_per_edge, const F& fn) {
+  if (rows <= 0) return;
+  const int64_t total = static_cast<int64_t>(ptr[rows]) + rows;  // edges + one per row
+  int64_t n = std::min<int64_t>(rows, 4 * static_cast<int64_t>(at::get_num_threads()));
+  n = std::max<int64_t>(1, std::min<int64_t>(n, total * std::max<int64_t>(work_per_edge, 1) / 32768));
+  if (n == 1) {
+    fn(int64_t(0), rows);
+    return;
+  }
+  std::vector<int64_t> bounds(n + 1, rows);
+  bounds[0] = 0;
+  for (int64_t c = 1; c < n; ++c) {
+    // the first row whose start (edges before it + rows before it) reaches c/n of the total;
+    // a malformed (decreasing) ptr only misplaces a bound: the kernels check each row's range
+    const int64_t target = total / n * c + (total % n) * c / n;
+    int64_t lo = bounds[c - 1], hi = rows;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (static_cast<int64_t>(ptr[mid]) + mid < target) lo = mid + 1; else hi = mid;
+    }
+    bounds[c] = lo;
+  }
+  at::parallel_for(0, n, 1, [&](int64_t cb, int64_t ce) {
+    for (int64_t c = cb; c < ce; ++c) {
+      if (bounds[c] < bounds[c + 1]) fn(bounds[c], bounds[c + 1]);
+    }
+  });
 }
 
 // exp of n values in place. float: a branch-free Cody-Waite + degree-6 polynomial (about 1 ulp,
