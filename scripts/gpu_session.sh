@@ -30,6 +30,14 @@ LOGDIR="${LOGDIR:-gpu_logs}"
 mkdir -p "$LOGDIR"
 SUMMARY="$LOGDIR/summary.txt"
 
+[ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
+for s in "$@"; do
+  case "$s" in
+    build|smoke|cuda-tests|suite|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv|__sanitize) ;;
+    *) echo "unknown stage: $s (build smoke cuda-tests suite sanitize peers bench-gat bench-gat-bf16" \
+            "bench-gatv2 bench-conv)" >&2; exit 2 ;;
+  esac
+done
 if ls .whl/*.whl >/dev/null 2>&1 && [[ ":${PYTHONPATH:-}:" != *:/tmp/torch_gradops_site:* ]]; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/torch_gradops_site .whl/*.whl >"$LOGDIR/wheels.log" 2>&1 || echo "wheels: install failed" >>"$SUMMARY"
@@ -70,14 +78,6 @@ sanitize() {  # (internal stage __sanitize)
 case "${1:-}" in  # stages that are shell functions run in a child, under the stage's timeout
   __sanitize) sanitize; exit $? ;;
 esac
-[ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
-for s in "$@"; do
-  case "$s" in
-    build|smoke|cuda-tests|suite|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
-    *) echo "unknown stage: $s (build smoke cuda-tests suite sanitize peers bench-gat bench-gat-bf16" \
-            "bench-gatv2 bench-conv)" >&2; exit 2 ;;
-  esac
-done
 { echo "# $(date -u +%FT%TZ) $(hostname)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1; } >>"$SUMMARY"
 for s in "$@"; do
