@@ -36,3 +36,17 @@ def pytest_collection_modifyitems(config, items):
 
 # Parametrise a test over devices: the CUDA case carries the `cuda` marker.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+
+
+def runs_at_thread_counts(run, counts):
+    """``[run() at each of torch's thread counts in counts]``, the thread count restored after:
+    the CPU kernels' results must not depend on it."""
+    threads = torch.get_num_threads()
+    try:
+        out = []
+        for n in counts:
+            torch.set_num_threads(n)
+            out.append(run())
+        return out
+    finally:
+        torch.set_num_threads(threads)

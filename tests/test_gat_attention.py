@@ -7,7 +7,7 @@ from torch.autograd import forward_ad
 from torch.func import jvp
 
 import torch_gradops as tg
-from conftest import DEVICES
+from conftest import DEVICES, runs_at_thread_counts
 from gat_reference import gat_reference
 from torch_gradops.testing import powerlaw_edge_index
 
@@ -195,14 +195,10 @@ def test_backward_is_bitwise_deterministic(device):
         return [out] + list(torch.autograd.grad(out, (x, a_src, a_dst, el), go))
 
     first = run()
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2, threads):  # the CPU result does not depend on the thread count
-            torch.set_num_threads(n_threads)
-            for a, b in zip(first, run()):
-                assert torch.equal(a, b)
-    finally:
-        torch.set_num_threads(threads)
+    # the CPU result does not depend on the thread count
+    for result in runs_at_thread_counts(run, (1, 2, torch.get_num_threads())):
+        for a, b in zip(first, result):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("by_degree", [True, False])
@@ -217,15 +213,12 @@ def test_powerlaw_graph_at_every_thread_count(by_degree):
     go = torch.randn(n, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     ref = gat_reference(x, a_src, a_dst, ei, n, 0.2, el)[0]
     ref_grads = torch.autograd.grad(ref, (x, a_src, a_dst, el), go)
-    threads = torch.get_num_threads()
-    runs = []
-    try:
-        for n_threads in (1, 2, 3):
-            torch.set_num_threads(n_threads)
-            out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
-            runs.append([out, *torch.autograd.grad(out, (x, a_src, a_dst, el), go)])
-    finally:
-        torch.set_num_threads(threads)
+
+    def run():
+        out = tg.gat_attention(x, a_src, a_dst, graph, 0.2, el)
+        return [out, *torch.autograd.grad(out, (x, a_src, a_dst, el), go)]
+
+    runs = runs_at_thread_counts(run, (1, 2, 3))
     for a, b in zip(runs[0], [ref, *ref_grads]):
         torch.testing.assert_close(a, b)
     for run in runs[1:]:

@@ -16,6 +16,7 @@ from torch.func import (functional_call, grad, hessian, jacfwd, jacrev, jvp, sta
 
 import torch_gradops as tg
 from torch_gradops.gat import edge_aggregate, edge_dot
+from conftest import runs_at_thread_counts
 from gat_reference import gat_reference
 from test_gat_attention import GRAPHS, make_graph, make_inputs
 
@@ -293,14 +294,9 @@ def test_double_backward_is_bitwise_deterministic():
         return list(second) + [tangent]
 
     first = run()
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2, threads):
-            torch.set_num_threads(n_threads)
-            for a, b in zip(first, run()):
-                assert torch.equal(a, b)
-    finally:
-        torch.set_num_threads(threads)
+    for result in runs_at_thread_counts(run, (1, 2, torch.get_num_threads())):
+        for a, b in zip(first, result):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 5e-2)])

@@ -8,7 +8,7 @@ from torch.autograd import forward_ad
 from torch.func import jvp
 
 import torch_gradops as tg
-from conftest import DEVICES
+from conftest import DEVICES, runs_at_thread_counts
 from gatv2_reference import gatv2_reference
 from torch_gradops.testing import powerlaw_edge_index
 
@@ -291,14 +291,10 @@ def test_backward_is_bitwise_deterministic(edge_mode, device):
         return [out] + list(torch.autograd.grad(out, present, go))
 
     first = run()
-    threads = torch.get_num_threads()
-    try:
-        for n_threads in (1, 2, threads):  # the CPU result does not depend on the thread count
-            torch.set_num_threads(n_threads)
-            for a, b in zip(first, run()):
-                assert torch.equal(a, b)
-    finally:
-        torch.set_num_threads(threads)
+    # the CPU result does not depend on the thread count
+    for result in runs_at_thread_counts(run, (1, 2, torch.get_num_threads())):
+        for a, b in zip(first, result):
+            assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("by_degree", [True, False])
@@ -314,15 +310,12 @@ def test_powerlaw_graph_at_every_thread_count(by_degree):
     go = torch.randn(n, 4, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
     ref = reference(inputs, ei, n)[0]
     ref_grads = grads_of(ref, inputs, go)
-    threads = torch.get_num_threads()
-    runs = []
-    try:
-        for n_threads in (1, 2, 3):
-            torch.set_num_threads(n_threads)
-            out = call(inputs, graph)
-            runs.append([out, *grads_of(out, inputs, go)])
-    finally:
-        torch.set_num_threads(threads)
+
+    def run():
+        out = call(inputs, graph)
+        return [out, *grads_of(out, inputs, go)]
+
+    runs = runs_at_thread_counts(run, (1, 2, 3))
     assert_grads_close(runs[0], [ref, *ref_grads])
     for run in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))

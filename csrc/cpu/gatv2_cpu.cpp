@@ -386,17 +386,7 @@ std::vector<int64_t> chunk_bounds(const index_t* ptr, int64_t num_dst, int64_t E
   int64_t n = std::min<int64_t>(kMaxChunks, std::max<int64_t>(1, E / kMinEdgesPerChunk));
   n = std::min<int64_t>(n, std::max<int64_t>(1, kPartialBudget / std::max<int64_t>(partial_size, 1)));
   n = std::max<int64_t>(1, std::min<int64_t>(n, num_dst));
-  std::vector<int64_t> bounds(n + 1);
-  bounds[0] = 0;
-  bounds[n] = num_dst;
-  for (int64_t c = 1; c < n; ++c) {
-    const int64_t target = E / n * c + (E % n) * c / n;  // floor(E * c / n) without overflow
-    const int64_t lb = std::lower_bound(ptr, ptr + num_dst + 1, target,
-                                        [](index_t p, int64_t t) { return static_cast<int64_t>(p) < t; }) -
-                       ptr;
-    bounds[c] = std::min<int64_t>(num_dst, std::max<int64_t>(bounds[c - 1], lb));
-  }
-  return bounds;
+  return cpu::balanced_row_bounds(ptr, num_dst, n, 0);
 }
 
 template <typename scalar_t, typename index_t>

@@ -122,13 +122,35 @@ void check_ptr_ends(const index_t* ptr, int64_t n, int64_t E, const char* name) 
               " must start at 0 and end at E = ", E, " (the number of edges), got ", ptr[0], " and ", ptr[n]);
 }
 
-// fn(begin, end) over ranges of the rows of a CSR/CSC pointer array (ptr[0] = 0, ptr[rows] = E,
-// as check_ptr_ends() requires), run in parallel, each range holding about the same work: its
-// edges plus one edge's worth per row (a row's own set-up and write). at::parallel_for over the
-// rows themselves splits them by count, which hands one thread the hubs of a graph numbered by
-// degree (power-law graphs often are): the GATv2 forward on such a graph (N=100k, E=2M) ran only
-// 1.15x faster on 2 threads than on 1. Ranges: a few per thread, each at least 32768 units of
-// work_per_edge (small inputs stay on one thread). A row's results never depend on the ranges.
+// Bounds 0 = b[0] <= b[1] <= ... <= b[n] = rows splitting the rows of a CSR/CSC pointer array
+// (ptr[0] = 0, ptr[rows] = E, as check_ptr_ends() requires) into n ranges of about equal weight,
+// a row weighing its edges plus row_weight: b[c] is the first row (from b[c-1] on) whose start
+// reaches floor(c/n) of the total. Depends on the graph and n only. A malformed (decreasing) ptr
+// only misplaces a bound: the kernels check each row's range.
+template <typename index_t>
+std::vector<int64_t> balanced_row_bounds(const index_t* ptr, int64_t rows, int64_t n, int64_t row_weight) {
+  const int64_t total = static_cast<int64_t>(ptr[rows]) + row_weight * rows;
+  std::vector<int64_t> bounds(n + 1, rows);
+  bounds[0] = 0;
+  for (int64_t c = 1; c < n; ++c) {
+    const int64_t target = total / n * c + (total % n) * c / n;  // floor(total * c / n) without overflow
+    int64_t lo = bounds[c - 1], hi = rows;
+    while (lo < hi) {
+      const int64_t mid = lo + (hi - lo) / 2;
+      if (static_cast<int64_t>(ptr[mid]) + row_weight * mid < target) lo = mid + 1; else hi = mid;
+    }
+    bounds[c] = lo;
+  }
+  return bounds;
+}
+
+// fn(begin, end) over ranges of the rows of a CSR/CSC pointer array (as balanced_row_bounds()
+// wants it), run in parallel, each range holding about the same work: its edges plus one edge's
+// worth per row (a row's own set-up and write). at::parallel_for over the rows themselves splits
+// them by count, which hands one thread the hubs of a graph numbered by degree (power-law graphs
+// often are): the GATv2 forward on such a graph (N=100k, E=2M) ran only 1.15x faster on 2
+// threads than on 1. Ranges: a few per thread, each at least 32768 units of work_per_edge (small
+// inputs stay on one thread). A row's results never depend on the ranges.
 template <typename index_t, typename F>
 void parallel_over_rows(const index_t* ptr, int64_t rows, int64_t work_per_edge, const F& fn) {
   if (rows <= 0) return;
@@ -139,19 +161,7 @@ void parallel_over_rows(const index_t* ptr, int64_t rows, int64_t work_per_edge,
     fn(int64_t(0), rows);
     return;
   }
-  std::vector<int64_t> bounds(n + 1, rows);
-  bounds[0] = 0;
-  for (int64_t c = 1; c < n; ++c) {
-    // the first row whose start (edges before it + rows before it) reaches c/n of the total;
-    // a malformed (decreasing) ptr only misplaces a bound: the kernels check each row's range
-    const int64_t target = total / n * c + (total % n) * c / n;
-    int64_t lo = bounds[c - 1], hi = rows;
-    while (lo < hi) {
-      const int64_t mid = lo + (hi - lo) / 2;
-      if (static_cast<int64_t>(ptr[mid]) + mid < target) lo = mid + 1; else hi = mid;
-    }
-    bounds[c] = lo;
-  }
+  const std::vector<int64_t> bounds = balanced_row_bounds(ptr, rows, n, 1);
   at::parallel_for(0, n, 1, [&](int64_t cb, int64_t ce) {
     for (int64_t c = cb; c < ce; ++c) {
       if (bounds[c] < bounds[c + 1]) fn(bounds[c], bounds[c + 1]);
