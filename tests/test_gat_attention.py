@@ -383,6 +383,68 @@ def test_edge_order_gradient_is_the_inverse_permutation():
     assert torch.equal(g.original_order(g.edge_order(v)), v)
 
 
+def test_self_loop_handling_leaves_the_inputs_loops_out():
+    """csc_from_edges(self_loops=L) (PyG's remove_self_loops + add_self_loops, what the layers
+    use): eagerly, the input's own loops are left out of the graph (no extra destination row),
+    while per-edge tensors keep their processed order of E + L rows; with static shapes (under
+    torch.compile) they sit in a trash row instead. Both give the same edges, outputs, gradients
+    and attention, and the attention of a left-out loop is zero."""
+    from torch.autograd import gradcheck, gradgradcheck
+    from torch.func import vmap
+    from torch_gradops.graph import csc_from_edges
+    gen = torch.Generator().manual_seed(3)
+    n, L, H, C = 12, 10, 2, 3
+    ei = torch.randint(0, n, (2, 50), generator=gen)
+    ei[:, [3, 17, 30]] = torch.tensor([[2, 11, 2], [2, 11, 2]])  # loops (one at a node >= L, one twice)
+    ei[:, 40] = ei[:, 5]  # a duplicate edge is kept
+    E, is_loop = ei.size(1), ei[0] == ei[1]
+    eager = csc_from_edges(ei[0], ei[1], n, n, self_loops=L)
+    static = csc_from_edges(ei[0], ei[1], n, n, self_loops=L, static_shapes=True)
+    assert (eager.num_dst, static.num_dst) == (n, n + 1)
+    assert eager.num_input_edges == static.num_input_edges == static.num_edges == E + L
+    assert eager.num_edges == E - int(is_loop.sum()) + L
+    real = static.dst_index() < n  # the static graph's edges outside its trash row
+    for t in ("dst_index", "indices", "perm"):
+        a, b = getattr(eager, t), getattr(static, t)
+        a, b = (a(), b()) if callable(a) else (a, b)
+        assert torch.equal(a, b[real]), t
+    # the edge set is PyG's: every non-loop input edge once, then the loops (i, i) for i < L
+    pairs = torch.cat([ei, torch.arange(L).repeat(2, 1)], 1)  # processed edge ids
+    keep = torch.cat([~is_loop, torch.ones(L, dtype=torch.bool)])
+    assert sorted(eager.perm.tolist()) == keep.nonzero().flatten().tolist()
+    assert torch.equal(pairs[:, eager.perm.long()], torch.stack([eager.indices, eager.dst_index()]).long())
+
+    x, a_src, a_dst, el = make_inputs(n, n, E + L, H, C, torch.float64, "cpu")
+    out, alpha = tg.gat_attention(x, a_src, a_dst, eager, edge_logits=el, return_attention=True)
+    pad = torch.cat([a_dst, a_dst.new_zeros(1, H)])
+    out_s, alpha_s = tg.gat_attention(x, a_src, pad, static, edge_logits=el, return_attention=True)
+    torch.testing.assert_close(out, out_s[:n], rtol=0, atol=1e-14)
+    assert alpha.shape == (E + L, H) and torch.equal(alpha[~keep], torch.zeros_like(alpha[~keep]))
+    torch.testing.assert_close(alpha[keep], alpha_s[keep], rtol=0, atol=1e-14)
+    w = torch.randn(n, H, C, generator=gen, dtype=torch.float64)
+    wa = torch.randn(E + L, H, generator=gen, dtype=torch.float64)
+    got = grads_of((out, alpha), (x, a_src, a_dst, el), (w, wa))
+    want = grads_of((out_s[:n], alpha_s * keep[:, None]), (x, a_src, a_dst, el), (w, wa))
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=0, atol=1e-13)
+    assert torch.equal(got[3][~keep], torch.zeros_like(got[3][~keep]))
+
+    # the reorderings themselves: left-out rows dropped one way, zero-filled the other
+    v = torch.randn(E + L, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert torch.equal(eager.original_order(eager.edge_order(v)), v * keep[:, None])
+    assert gradcheck(eager.edge_order, (v,), check_forward_ad=True) and gradgradcheck(eager.edge_order, (v,))
+    u = torch.randn(eager.num_edges, 2, dtype=torch.float64, generator=gen, requires_grad=True)
+    assert gradcheck(eager.original_order, (u,), check_forward_ad=True)
+    assert gradgradcheck(eager.original_order, (u,))
+    vb = torch.randn(3, E + L, 2, dtype=torch.float64, generator=gen)
+    assert torch.equal(vmap(eager.edge_order)(vb), vb.index_select(1, eager.perm))
+    with pytest.raises(ValueError, match="num_input_edges"):
+        tg.BipartiteCSC(eager.indptr, eager.indices, n, num_input_edges=E + L)
+    with pytest.raises(ValueError, match="num_input_edges"):
+        tg.BipartiteCSC(eager.indptr, eager.indices, n, eager.perm, num_input_edges=eager.num_edges - 1)
+    with pytest.raises(ValueError, match=r"edge_logits must have shape \[E, heads\]"):
+        tg.gat_attention(x, a_src, a_dst, eager, edge_logits=el[:eager.num_edges])
+
 def test_graph_construction_and_validation():
     ei = torch.tensor([[0, 2, 1, 0], [1, 0, 1, 2]])
     g = tg.BipartiteCSC.from_edge_index(ei)

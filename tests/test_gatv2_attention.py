@@ -635,3 +635,36 @@ def test_mha_gat_v2_n2n_matches_manual_composition():
         tg.mha_gat_v2_n2n(feat, att, graph, num_heads=heads, edge_feat=efeat[:, :2])
     with pytest.raises(ValueError, match="num_heads"):
         tg.mha_gat_v2_n2n(feat, att, graph, num_heads=5)
+
+
+def test_graph_without_the_inputs_self_loops():
+    """A graph from csc_from_edges(self_loops=L) leaves the input's own loops out eagerly and
+    keeps them in a trash row with static shapes: gatv2_attention takes edge features in the
+    processed order of E + L rows either way, with the same output, attention and gradients
+    (zero for a left-out loop's features)."""
+    from torch_gradops.graph import csc_from_edges
+    gen = torch.Generator().manual_seed(5)
+    n, L, H, C, K = 10, 10, 2, 4, 3
+    ei = torch.randint(0, n, (2, 40), generator=gen)
+    ei[:, [0, 9]] = torch.tensor([[4, 7], [4, 7]])
+    E, is_loop = ei.size(1), ei[0] == ei[1]
+    keep = torch.cat([~is_loop, torch.ones(L, dtype=torch.bool)])
+    eager = csc_from_edges(ei[0], ei[1], n, n, self_loops=L)
+    static = csc_from_edges(ei[0], ei[1], n, n, self_loops=L, static_shapes=True)
+    assert eager.num_dst == n and eager.num_edges == int(keep.sum())
+    leaf = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).requires_grad_()  # noqa: E731
+    xs, xd, att, ea, w = leaf(n, H, C), leaf(n, H, C), leaf(H, C), leaf(E + L, K), leaf(K, H, C)
+    out, alpha = tg.gatv2_attention(xs, xd, att, eager, edge_attr=ea, edge_weight=w, return_attention=True)
+    xd_pad = torch.cat([xd, xd.new_zeros(1, H, C)])
+    out_s, alpha_s = tg.gatv2_attention(xs, xd_pad, att, static, edge_attr=ea, edge_weight=w, return_attention=True)
+    torch.testing.assert_close(out, out_s[:n], rtol=0, atol=1e-14)
+    assert torch.equal(alpha[~keep], torch.zeros_like(alpha[~keep]))
+    torch.testing.assert_close(alpha[keep], alpha_s[keep], rtol=0, atol=1e-14)
+    go, ga = torch.randn_like(out), torch.randn_like(alpha)
+    got = torch.autograd.grad((out, alpha), (xs, xd, att, ea, w), (go, ga))
+    want = torch.autograd.grad((out_s[:n], alpha_s * keep[:, None]), (xs, xd, att, ea, w), (go, ga))
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_, rtol=0, atol=1e-13)
+    assert torch.equal(got[3][~keep], torch.zeros_like(got[3][~keep]))
+    with pytest.raises(ValueError, match=r"edge_attr must have shape \[E=50"):
+        tg.gatv2_attention(xs, xd, att, eager, edge_attr=ea[:E], edge_weight=w)

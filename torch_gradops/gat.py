@@ -641,8 +641,8 @@ def edge_aggregate(weight: torch.Tensor, values: torch.Tensor, graph: BipartiteC
         raise ValueError(f"into must be 'dst' or 'src', got {into!r}")
     _check_primitive_args(graph, weight=weight, values=values)
     rows = graph.num_src if into == "dst" else graph.num_dst
-    if weight.dim() != 2 or weight.size(0) != graph.num_edges:
-        raise ValueError(f"weight must have shape [E={graph.num_edges}, H], got {tuple(weight.shape)}")
+    if weight.dim() != 2 or weight.size(0) != graph.num_input_edges:
+        raise ValueError(f"weight must have shape [E={graph.num_input_edges}, H], got {tuple(weight.shape)}")
     if values.dim() != 3 or values.size(0) != rows:
         raise ValueError(f"values must have shape [{'num_src' if into == 'dst' else 'num_dst'}={rows}, H, C] "
                          f"for into={into!r}, got {tuple(values.shape)}")
@@ -703,8 +703,8 @@ def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
     if edge_logits is not None:
         if not isinstance(edge_logits, torch.Tensor):
             raise TypeError(f"edge_logits must be a torch.Tensor or None, got {type(edge_logits).__name__}")
-        if edge_logits.shape != (graph.num_edges, heads):
-            raise ValueError(f"edge_logits must have shape [E, heads] = {(graph.num_edges, heads)}, "
+        if edge_logits.shape != (graph.num_input_edges, heads):
+            raise ValueError(f"edge_logits must have shape [E, heads] = {(graph.num_input_edges, heads)}, "
                              f"got {tuple(edge_logits.shape)}")
         if edge_logits.dtype != x_src.dtype:
             raise TypeError(f"edge_logits ({edge_logits.dtype}) must have the dtype of x_src ({x_src.dtype})")

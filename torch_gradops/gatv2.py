@@ -483,7 +483,7 @@ def _check_tensor(t, name):
     check_backend(t, name)
 
 
-def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout):
+def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout, csc_order: bool = False):
     if not isinstance(graph, BipartiteCSC):
         raise TypeError(f"graph must be a torch_gradops.BipartiteCSC, got {type(graph).__name__}")
     for name, t in (("x_src", x_src), ("x_dst", x_dst), ("att", att)):
@@ -511,7 +511,7 @@ def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout):
         raise ValueError("edge_weight was given without edge_attr")
     if edge_attr is not None:
         _check_tensor(edge_attr, "edge_attr")
-        E = graph.num_edges
+        E = graph.num_edges if csc_order else graph.num_input_edges  # rows in CSC / original order
         if edge_weight is not None:
             _check_tensor(edge_weight, "edge_weight")
             if edge_attr.dim() != 2 or edge_attr.size(0) != E:

@@ -32,32 +32,36 @@ class _ReverseIndex:
 
 
 class _EdgePermutation(torch.autograd.Function):
-    """``values.index_select(0, perm)`` for a permutation ``perm`` of the edges (``inv`` its
-    inverse), whose backward gathers the gradient with ``inv``: index_select's own backward
-    scatter-adds into zeros, which for a permutation is the same result at more cost (CPU, 2M x
-    16 float32: about 180 ms against 75 ms for the gather). Double backward, forward mode and
-    vmap follow from the same two gathers."""
+    """``values.index_select(0, index)`` for an injective ``index`` (``back`` its inverse, with
+    ``len(index)`` for the rows ``index`` skips), whose backward gathers the gradient with
+    ``back``: index_select's own backward scatter-adds into zeros, which for a permutation is the
+    same result at more cost (CPU, 2M x 16 float32: about 180 ms against 75 ms for the gather).
+    ``pad`` appends a zero row to ``values`` first (the target of the skipped rows), so one class
+    serves both directions: CSC order -> original order pads, the reverse does not. Double
+    backward, forward mode and vmap follow from the same two gathers."""
 
     generate_vmap_rule = True
 
     @staticmethod
-    def forward(values, perm, inv):
-        return values.index_select(0, perm)
+    def forward(values, index, back, pad):
+        if pad:
+            values = torch.cat([values, values.new_zeros((1,) + values.shape[1:])])
+        return values.index_select(0, index)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        _, ctx.perm, ctx.inv = inputs  # integer inputs, never differentiated: kept as attributes
+        _, ctx.index, ctx.back, ctx.pad = inputs  # integer inputs, never differentiated: attributes
         ctx.set_materialize_grads(False)
 
     @staticmethod
     def backward(ctx, grad):
         if grad is None:
-            return None, None, None
-        return _EdgePermutation.apply(grad, ctx.inv, ctx.perm), None, None
+            return None, None, None, None
+        return _EdgePermutation.apply(grad, ctx.back, ctx.index, not ctx.pad), None, None, None
 
     @staticmethod
-    def jvp(ctx, tangent, _perm_tangent, _inv_tangent):
-        return tangent.index_select(0, ctx.perm)
+    def jvp(ctx, tangent, _index_tangent, _back_tangent, _pad_tangent):
+        return _EdgePermutation.forward(tangent, ctx.index, ctx.back, ctx.pad)
 
 
 class BipartiteCSC:
@@ -70,13 +74,19 @@ class BipartiteCSC:
         num_src, num_dst: node counts of the two sides.
         perm: ``[E]`` original edge id of each CSC position, or ``None`` when CSC order is the
             original order (input already sorted by destination).
+        num_input_edges: length of the original edge list, ``>= E``. Usually ``E``; larger when
+            the graph leaves some original edges out (:func:`csc_from_edges` drops the input's
+            self-loops that way): ``perm`` then holds distinct ids in ``[0, num_input_edges)``,
+            :meth:`edge_order` skips the rows of the left-out edges and :meth:`original_order`
+            gives them zeros.
 
     ``indptr``, ``indices`` and ``perm`` share one integer dtype (int32 or int64) and one device.
     The source-grouped reverse index that the backward needs is built once, lazily.
     """
 
     def __init__(self, indptr: torch.Tensor, indices: torch.Tensor, num_src: int,
-                 perm: Optional[torch.Tensor] = None, *, validate: bool = True):
+                 perm: Optional[torch.Tensor] = None, *, num_input_edges: Optional[int] = None,
+                 validate: bool = True):
         _check_index_tensor(indptr, "indptr")
         _check_index_tensor(indices, "indices")
         if indptr.dim() != 1 or indptr.numel() < 1:
@@ -95,6 +105,12 @@ class BipartiteCSC:
             if perm.shape != indices.shape or perm.device != indices.device:
                 raise ValueError("perm must have the shape and device of indices")
             perm = perm.to(indices.dtype)
+        E = indices.numel()
+        num_input_edges = E if num_input_edges is None else int(num_input_edges)
+        if num_input_edges != E and (perm is None or num_input_edges < E):
+            raise ValueError(f"num_input_edges ({num_input_edges}) must equal the number of edges ({E}), "
+                             "or exceed it with a perm naming which original edges the graph holds")
+        self.num_input_edges = num_input_edges
         self.indptr = indptr.contiguous()
         self.indices = indices.contiguous()
         self.num_src = num_src
@@ -165,27 +181,37 @@ class BipartiteCSC:
         return self._reverse
 
     def edge_order(self, values: torch.Tensor) -> torch.Tensor:
-        """Reorder a per-edge tensor from the original edge order to CSC order (differentiable;
-        its gradient is reordered back by a gather, see ``_EdgePermutation``)."""
+        """Reorder a per-edge tensor from the original edge order (``[num_input_edges, ...]``) to
+        CSC order (``[E, ...]``), differentiably (the gradient is reordered back by a gather, see
+        ``_EdgePermutation``)."""
         if self.perm is None:
             return values
         if not values.requires_grad or torch.compiler.is_compiling():
             # (Dynamo does not trace an autograd.Function with a custom jvp; compiled graphs
             # differentiate index_select themselves.)
             return values.index_select(0, self.perm)
-        return _EdgePermutation.apply(values, self.perm, self._inverse_perm())
+        return _EdgePermutation.apply(values, self.perm, self._inverse_perm(), False)
 
     def original_order(self, values: torch.Tensor) -> torch.Tensor:
-        """Reorder a per-edge tensor from CSC order back to the original edge order."""
+        """Reorder a per-edge tensor from CSC order back to the original edge order (zeros for
+        the original edges the graph leaves out, see ``num_input_edges``)."""
         if self.perm is None:
             return values
+        if self.num_input_edges != self.num_edges:
+            values = torch.cat([values, values.new_zeros((1,) + values.shape[1:])])
         return values.index_select(0, self._inverse_perm())
 
     def _inverse_perm(self) -> torch.Tensor:
-        """``[E]`` CSC position of each original edge (``perm``'s inverse), cached."""
+        """``[num_input_edges]`` CSC position of each original edge (``perm``'s inverse; ``E``
+        for the edges left out), cached."""
         inv = self._inv_perm
         if inv is None:
-            inv = torch.argsort(self.perm).to(self.dtype)
+            if self.num_input_edges == self.num_edges:
+                inv = torch.argsort(self.perm).to(self.dtype)
+            else:
+                inv = torch.full((self.num_input_edges,), self.num_edges, dtype=self.dtype, device=self.device)
+                inv.index_put_((self.perm.long(),), torch.arange(self.num_edges, dtype=self.dtype,
+                                                                  device=self.device))
             if not torch.compiler.is_compiling():  # a traced tensor must not outlive its trace
                 self._inv_perm = inv
         return inv
@@ -196,7 +222,8 @@ class BipartiteCSC:
         if device == self.device:
             return self
         g = BipartiteCSC(self.indptr.to(device), self.indices.to(device), self.num_src,
-                         None if self.perm is None else self.perm.to(device), validate=False)
+                         None if self.perm is None else self.perm.to(device),
+                         num_input_edges=self.num_input_edges, validate=False)
         if self._dst is not None:
             g._dst = self._dst.to(device)
         if self._reverse is not None:
@@ -259,12 +286,14 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
         num_src, num_dst: node counts (ids are range-checked against them).
         self_loops: ``None`` keeps the edges as they are. ``L`` drops the input's self-loops and
             adds ``(i, i)`` for ``i < L``, as PyG's ``remove_self_loops`` then
-            ``add_self_loops(num_nodes=L)``. The dropped loops are not removed but routed to one
-            extra "trash" destination row ``num_dst`` that the caller drops after aggregation:
-            they take no part in any real destination's softmax and, since the trash row's
-            gradient is zero, contribute exactly zero to every gradient. This keeps every shape
-            independent of the data. The trash row exists when the input has self-loops (and
-            always with ``static_shapes``); ``graph.num_dst`` tells.
+            ``add_self_loops(num_nodes=L)``. The dropped loops are left out of the graph
+            (``graph.num_input_edges`` still counts them: per-edge tensors in processed order
+            keep their rows, see :class:`BipartiteCSC`). With ``static_shapes`` they are instead
+            routed to one extra "trash" destination row ``num_dst``, always present
+            (``graph.num_dst == num_dst + 1``), that the caller drops after aggregation: they
+            take no part in any real destination's softmax and, since the trash row's gradient
+            is zero, contribute exactly zero to every gradient, and every shape stays
+            independent of the data.
         dst_sorted: ``True`` if ``dst`` is known to be non-decreasing (no sort), ``None`` to check
             (except with ``static_shapes``, which sorts).
         static_shapes: only ops whose output shapes depend on input shapes, never on values
@@ -273,9 +302,10 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
             fits, else int64 (int32 halves the graph and the kernels' index traffic).
 
     Returns:
-        A :class:`BipartiteCSC` whose ``perm`` maps CSC positions to *processed* edge ids:
-        ``0 .. E-1`` the input edges in input order (dropped self-loops included, in the trash
-        row), ``E .. E+L-1`` the added loops ``(i, i)``; None when CSC order is that order.
+        A :class:`BipartiteCSC` whose ``perm`` maps CSC positions to *processed* edge ids
+        (``num_input_edges`` of them): ``0 .. E-1`` the input edges in input order (the dropped
+        self-loops' ids held by no position, or by the trash row's), ``E .. E+L-1`` the added
+        loops ``(i, i)``; None when CSC order is that order.
     """
     static = torch.compiler.is_compiling() if static_shapes is None else bool(static_shapes)
     num_src, num_dst = int(num_src), int(num_dst)
@@ -297,32 +327,37 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
     if self_loops is None:
         counts = torch.zeros(num_dst, dtype=torch.long, device=device).index_add_(0, d, torch.ones_like(d))
         indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
-        indices, perm, num_rows, dst_of = s, order, num_dst, d
+        indices, perm, num_rows, dst_of, num_input_edges = s, order, num_dst, d, E
     else:
         L = int(self_loops)
         if L > num_dst or L > num_src:
             raise ValueError(f"cannot add {L} self-loops to a {num_src} x {num_dst} graph")
         ids = torch.arange(E, device=device) if order is None else order  # processed id per sorted edge
         is_loop = s == d
-        trash = static or bool(is_loop.any())
         keep = (~is_loop).long()
         kept_counts = torch.zeros(num_dst, dtype=torch.long, device=device).index_add_(0, d, keep)
         kept_ptr = torch.cat([kept_counts.new_zeros(1), kept_counts.cumsum(0)])  # [num_dst + 1]
         # A destination's segment holds its kept edges (input order) then its added loop, so a
         # kept edge with destination d moves by the min(d, L) loops of the earlier segments.
         kept_rank = keep.cumsum(0) - keep
-        loop_rank = (1 - keep).cumsum(0) - (1 - keep)
-        pos = torch.where(is_loop, kept_ptr[-1] + L + loop_rank, kept_rank + d.clamp(max=L))
+        pos = kept_rank + d.clamp(max=L)
+        if static:  # the input's loops go to the trash row, after every real segment
+            loop_rank = (1 - keep).cumsum(0) - (1 - keep)
+            pos = torch.where(is_loop, kept_ptr[-1] + L + loop_rank, pos)
+            total = E + L
+        else:  # left out (an empty selection when there are none)
+            kept = ~is_loop
+            pos, s, ids = pos[kept], s[kept], ids[kept]
+            total = s.numel() + L
         loop_ids = torch.arange(L, device=device)
         loop_pos = kept_ptr[1:L + 1] + loop_ids
-        total = E + L
         indices = torch.empty(total, dtype=torch.long, device=device)
         indices.index_put_((pos,), s).index_put_((loop_pos,), loop_ids)
         perm = torch.empty(total, dtype=torch.long, device=device)
         perm.index_put_((pos,), ids).index_put_((loop_pos,), loop_ids + E)
         indptr = kept_ptr + torch.arange(num_dst + 1, device=device).clamp(max=L)
-        num_rows, dst_of = num_dst, None
-        if trash:
+        num_rows, dst_of, num_input_edges = num_dst, None, E + L
+        if static:
             indptr = torch.cat([indptr, kept_ptr.new_full((1,), total)])
             num_rows = num_dst + 1
 
@@ -334,7 +369,8 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
     if index_dtype == torch.int32 and max(indices.numel(), num_src, num_rows) >= 2**31:
         raise ValueError("int32 indices cannot address 2^31 or more edges or nodes; use int64")
     cast = lambda t: None if t is None else t.to(index_dtype)  # noqa: E731
-    graph = BipartiteCSC(cast(indptr), cast(indices).contiguous(), num_src, cast(perm), validate=False)
+    graph = BipartiteCSC(cast(indptr), cast(indices).contiguous(), num_src, cast(perm),
+                         num_input_edges=num_input_edges, validate=False)
     graph._validate(check_indptr=False, check_indices=False)  # built here: only the dtype limits
     if dst_of is not None:
         graph._dst = cast(dst_of).contiguous()

@@ -138,10 +138,11 @@ class GATConv(PyGGATConv):
     def _attend(self, x_src: Tensor, alpha_src: Tensor, alpha_dst: Optional[Tensor],
                 edge_logits: Optional[Tensor], graph: BipartiteCSC, num_dst: int, want_alpha: bool):
         """The fused op, in the projected features' dtype (autocast-aware): ``(out [N_t, H, C],
-        alpha [E', H] or None)``, with the scratch row of the input's own self-loops dropped."""
+        alpha [E', H] or None)``, with the trash row of the input's own self-loops (built under
+        torch.compile only, see :func:`~torch_gradops.graph.csc_from_edges`) dropped."""
         H = self.heads
         dtype = x_src.dtype
-        trash = graph.num_dst == num_dst + 1  # one extra row holding the removed self-loops
+        trash = graph.num_dst == num_dst + 1  # (torch.compile) the extra row holding the input's self-loops
         a_dst = alpha_dst.to(dtype) if alpha_dst is not None else x_src.new_zeros((num_dst, H))
         if trash:
             a_dst = torch.cat([a_dst, a_dst.new_zeros((1, H))])

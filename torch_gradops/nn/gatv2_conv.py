@@ -85,12 +85,13 @@ class GATv2Conv(PyGGATv2Conv):
     def _attend(self, x_l: Tensor, x_r: Tensor, edge_feats: Optional[Tensor], graph: BipartiteCSC,
                 num_dst: int, want_alpha: bool):
         """The fused op in the projected features' dtype (autocast-aware): ``(out [N_t, H, C],
-        alpha [E', H] or None)``, with the scratch row of the input's own self-loops dropped."""
+        alpha [E', H] or None)``, with the trash row of the input's own self-loops (built under
+        torch.compile only, see :func:`~torch_gradops.graph.csc_from_edges`) dropped."""
         H, C = self.heads, self.out_channels
         dtype = x_l.dtype
         if x_r.size(0) != num_dst:  # (a no-op slice would still cost a copy in the backward)
             x_r = x_r[:num_dst]
-        if graph.num_dst == num_dst + 1:  # one extra row holding the removed self-loops
+        if graph.num_dst == num_dst + 1:  # (torch.compile) the extra row holding the input's self-loops
             x_r = torch.cat([x_r, x_r.new_zeros((1, H, C))])
         weight = None
         if edge_feats is not None:
@@ -101,7 +102,7 @@ class GATv2Conv(PyGGATv2Conv):
         drop_all = p >= 1.0  # F.dropout(p=1) zeroes everything; the kernel takes p < 1
         x_l, x_r, att = x_l.contiguous(), x_r.to(dtype).contiguous(), self.att.view(H, C).to(dtype)
         p = 0.0 if drop_all else p
-        _check_inputs(x_l, x_r, att, graph, edge_feats, weight, p)
+        _check_inputs(x_l, x_r, att, graph, edge_feats, weight, p, csc_order=True)
         result = _gatv2_attention_csc(x_l, x_r, att, graph, self.negative_slope, edge_feats, weight, p,
                                       self.training, want_alpha)
         out, alpha = result if want_alpha else (result, None)
