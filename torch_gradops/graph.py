@@ -31,6 +31,12 @@ class _ReverseIndex:
     dst: torch.Tensor     # [E] destination of each of those edges
 
 
+def _append_zero_row(values: torch.Tensor) -> torch.Tensor:
+    """``values`` with one zero row after its last: where :meth:`BipartiteCSC._inverse_perm`
+    sends the original edges a graph leaves out."""
+    return torch.cat([values, values.new_zeros((1,) + values.shape[1:])])
+
+
 class _EdgePermutation(torch.autograd.Function):
     """``values.index_select(0, index)`` for an injective ``index`` (``back`` its inverse, with
     ``len(index)`` for the rows ``index`` skips), whose backward gathers the gradient with
@@ -44,9 +50,7 @@ class _EdgePermutation(torch.autograd.Function):
 
     @staticmethod
     def forward(values, index, back, pad):
-        if pad:
-            values = torch.cat([values, values.new_zeros((1,) + values.shape[1:])])
-        return values.index_select(0, index)
+        return (_append_zero_row(values) if pad else values).index_select(0, index)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
@@ -198,7 +202,7 @@ class BipartiteCSC:
         if self.perm is None:
             return values
         if self.num_input_edges != self.num_edges:
-            values = torch.cat([values, values.new_zeros((1,) + values.shape[1:])])
+            values = _append_zero_row(values)
         return values.index_select(0, self._inverse_perm())
 
     def _inverse_perm(self) -> torch.Tensor:
@@ -206,12 +210,9 @@ class BipartiteCSC:
         for the edges left out), cached."""
         inv = self._inv_perm
         if inv is None:
-            if self.num_input_edges == self.num_edges:
-                inv = torch.argsort(self.perm).to(self.dtype)
-            else:
-                inv = torch.full((self.num_input_edges,), self.num_edges, dtype=self.dtype, device=self.device)
-                inv.index_put_((self.perm.long(),), torch.arange(self.num_edges, dtype=self.dtype,
-                                                                  device=self.device))
+            # a scatter (perm's ids are distinct), not an argsort: O(E), and it covers left-out edges
+            inv = torch.full((self.num_input_edges,), self.num_edges, dtype=self.dtype, device=self.device)
+            inv.index_put_((self.perm.long(),), torch.arange(self.num_edges, dtype=self.dtype, device=self.device))
             if not torch.compiler.is_compiling():  # a traced tensor must not outlive its trace
                 self._inv_perm = inv
         return inv
