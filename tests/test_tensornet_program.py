@@ -76,19 +76,23 @@ def test_malformed_programs_are_refused_on_both_sides():
         _cpp_reencode(ints, 3)
 
 
-def test_compiled_layouts_are_memoised_deterministically():
-    """The compiler memoises each step's GEMM layout on the step's canonical form (modes
-    renumbered in order of appearance): a warm memo gives the same program as a cold one, and
-    two networks that differ only in their mode labels compile to the same program."""
+@pytest.mark.parametrize("quick_macs", [0, 1 << 14], ids=["searched", "default"])
+def test_compiled_layouts_are_memoised_deterministically(monkeypatch, quick_macs):
+    """The compiler memoises each searched step's GEMM layout on the step's canonical form
+    (modes renumbered in order of appearance): a warm memo gives the same program as a cold
+    one, and two networks that differ only in their mode labels compile to the same program
+    (also with the quick layouts that the default threshold gives this network's small steps)."""
     from torch_gradops.tensornet import compiler
     from torch_gradops.testing import lattice_network
     import opt_einsum
+    monkeypatch.setattr(compiler, "QUICK_MACS", quick_macs)
     inputs, output, arrays = lattice_network(3, 4, 3, seed=1)
     sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
     path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
     compiler._canonical_layout.cache_clear()
     cold = compiler.compile_program(inputs, output, sizes, path, (), 8, False)
-    assert compiler._canonical_layout.cache_info().currsize > 0  # filled
+    if quick_macs == 0:
+        assert compiler._canonical_layout.cache_info().currsize > 0  # filled
     warm = compiler.compile_program(inputs, output, sizes, path, (), 8, False)
     assert fmt.encode(warm[0]) == fmt.encode(cold[0]) and warm[1] == cold[1]
     shift = {m: 1000 - 7 * m for m in sizes}  # other labels, another order of their values
@@ -102,10 +106,10 @@ def test_compiled_layouts_are_memoised_deterministically():
 
 @pytest.mark.parametrize("quick_macs", [0, 1 << 40], ids=["full_search", "all_quick"])
 def test_quick_layouts_are_valid_and_chosen_by_total_work(monkeypatch, quick_macs):
-    """Steps whose multiply-adds over all slices are below compiler.QUICK_MACS get a quick
-    layout search; with every step quick and with none, the programs contract to einsum's value
-    and gradients (the quick search still only picks layouts the executor can run), and the
-    threshold counts slices: the same small network sliced many times is searched in full."""
+    """Steps whose multiply-adds over all slices are below compiler.QUICK_MACS get the quick
+    layout instead of the search; with every step quick and with none, the programs contract to
+    einsum's value and gradients (the quick layout only picks layouts the executor can run), and
+    the threshold counts slices: the same small network sliced many times is searched in full."""
     from torch_gradops.tensornet import compiler
     monkeypatch.setattr(compiler, "QUICK_MACS", quick_macs)
     compiler._canonical_layout.cache_clear()
@@ -124,19 +128,19 @@ def test_quick_layouts_are_valid_and_chosen_by_total_work(monkeypatch, quick_mac
     compiler._canonical_layout.cache_clear()
     tn.clear_plan_cache()
     calls = []
-    real = compiler._gemm_layout
+    for name in ("_gemm_layout", "_quick_layout"):
+        real = getattr(compiler, name)
 
-    def spy(*a):
-        calls.append(a[11])  # quick
-        return real(*a)
-
-    monkeypatch.setattr(compiler, "_gemm_layout", spy)
+        def spy(*a, _real=real, _quick=name == "_quick_layout"):
+            calls.append(_quick)
+            return _real(*a)
+        monkeypatch.setattr(compiler, name, spy)
     monkeypatch.setattr(compiler, "QUICK_MACS", 1 << 14)
     sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
     import opt_einsum
     path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
     compiler.compile_program(inputs, output, sizes, path, (), 16, True)
-    assert calls and all(calls)  # a tiny network: every step quick
+    assert len(calls) == len(path) and all(calls)  # a tiny network: every step quick
     big = [m for m in sizes if sizes[m] > 1][:14]  # slicing multiplies each step's runs
     calls.clear()
     compiler._canonical_layout.cache_clear()

@@ -17,9 +17,9 @@ from . import program as fmt
 __all__ = ["compile_program"]
 
 # Steps of fewer multiply-adds than this over all slices (GEMMs of microseconds, where a
-# layout's copies cost about as much as the call itself) get a quick layout search: the
-# consumer's preferred order only, the result untransposed, copies in that order. Planning a
-# circuit of hundreds of such steps is otherwise most of its first call.
+# layout's copies cost about as much as the call itself) get a quick layout
+# (:func:`_quick_layout`) instead of the search. Planning a circuit of hundreds of such steps
+# is otherwise most of its first call.
 QUICK_MACS = 1 << 14
 
 
@@ -36,8 +36,10 @@ def _view_orders(modes, strides, group, sizes):
     copy: ``(orders, contr_first)`` with ``orders[g]`` the modes of group ``g`` ('b' batch, 'k'
     contracted, 'f' free) in memory order, when the slot's memory holds the batch modes
     outermost and then the free and the contracted modes as two blocks, each group mergeable
-    by a reshape (singleton modes fit anywhere); None when a copy is needed."""
-    seq = sorted((m for m in modes if sizes[m] > 1), key=lambda m: -strides[m])
+    by a reshape (singleton modes fit anywhere); None when a copy is needed. The compiler holds
+    every slot with strides non-increasing in dimension order, so memory order is dimension
+    order."""
+    seq = [m for m in modes if sizes[m] > 1]
     blocks, runs, run = [], {}, 0
     for j, m in enumerate(seq):
         if j and strides[seq[j - 1]] != strides[m] * sizes[m]:
@@ -129,7 +131,7 @@ def _copy_cost(modes, strides, order, sizes, itemsize):
     return math.prod(sizes[m] for m in modes) * (1 + 256 / (run * itemsize))
 
 
-def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize=8, is_complex=False, quick=False):
+def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize=8, is_complex=False):
     """Layout of one pairwise step. Each operand enters bmm as a view when its memory allows
     ([batch, free, contr] or [batch, contr, free]; bmm takes the transposed view without
     copying) or as a copy in any order; the result is [batch, left, right] or, computing it
@@ -139,16 +141,15 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     the result are chosen for the consumer), plus a penalty for a result whose rows are
     shorter than 16 elements and than its columns (measured on CPU: a [59049, 9] = [59049, 18]
     @ [18, 9] float32 GEMM takes about 5x as long as its transpose [9, 59049]; complex GEMMs
-    care much less). Costs are in element copies. ``quick``: a quick search (see
-    :data:`QUICK_MACS`). Returns (swap, per side: (copied, orders, contr_first))."""
+    care much less). Costs are in element copies. Returns (swap, per side: (copied, orders,
+    contr_first))."""
     va = _view_orders(ma, sta, group_a, sizes)
     vb = _view_orders(mb, stb, group_b, sizes)
     batch = [m for m in ma if group_a[m] == "b"]
     contr = [m for m in ma if group_a[m] == "k"]
     left = [m for m in ma if group_a[m] == "f"]
     right = [m for m in mb if group_b[m] == "f"]
-    mem_a = sorted(ma, key=lambda m: -sta[m])
-    mem_b = sorted(mb, key=lambda m: -stb[m])
+    mem_a, mem_b = ma, mb  # memory order is dimension order (see _view_orders)
     size_c = math.prod(sizes[m] for m in batch + left + right)
     size_l = math.prod(sizes[m] for m in left)
     size_r = math.prod(sizes[m] for m in right)
@@ -159,8 +160,6 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
         keys = [{m: j for j, m in enumerate(kept)}]
     else:
         keys = [{m: "bkfs".index(cons[m]) for m in cons}, {m: "bfks".index(cons[m]) for m in cons}]
-    if quick:
-        keys = keys[:1]
 
     memo = {}
 
@@ -192,8 +191,8 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
                 shared = [(list(b), list(k)) for b, k in shared]
             for rank in keys:
                 by = lambda ms: tuple(sorted(ms, key=lambda m: rank.get(m, 0)))  # noqa: E731
-                # a copied operand's free modes: the consumer's order, or (full search) also as stored
-                orders = lambda ms: {by(ms)} if quick else {by(ms), tuple(ms)}  # noqa: E731
+                # a copied operand's free modes: the consumer's order or as stored
+                orders = lambda ms: {by(ms), tuple(ms)}  # noqa: E731
                 for b_ord, k_ord in shared:
                     if copy_a:
                         fa = [m for m in mem_a if m in left]
@@ -207,7 +206,7 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
                         opts_b = [(0, vb[0], vb[1])]
                     for cost_a, oa, cfa in opts_a:
                         for cost_b, ob, cfb in opts_b:
-                            for swap in ((0,) if quick else (0, 1)):
+                            for swap in (0, 1):
                                 x = ob if swap else oa
                                 cm = x["b"] + (ob["f"] + oa["f"] if swap else oa["f"] + ob["f"])
                                 fits = _result_fits(cm, cons, sizes, kept)
@@ -222,22 +221,65 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     return best[1:]
 
 
+def _quick_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept):
+    """The layout of a step too small to be worth :func:`_gemm_layout`'s search
+    (:data:`QUICK_MACS`), in its return format: an operand enters bmm as a view when its memory
+    allows and the other operand can follow its batch and contracted orders, else as a copy
+    whose free modes come in the order the result's consumer wants; never transposed."""
+    va = _view_orders(ma, sta, group_a, sizes)
+    vb = _view_orders(mb, stb, group_b, sizes)
+    if va and vb:
+        nz = lambda ms: [m for m in ms if sizes[m] > 1]  # noqa: E731
+        if nz(va[0]["b"]) == nz(vb[0]["b"]) and nz(va[0]["k"]) == nz(vb[0]["k"]):
+            return 0, (False, va[0], va[1]), (False, vb[0], vb[1])
+        vb = None  # they disagree: copy b
+    if va:
+        b, k = va[0]["b"], va[0]["k"]
+    elif vb:
+        b, k = vb[0]["b"], vb[0]["k"]
+    else:  # both copied: batch and contracted modes in a's memory (= dimension) order
+        b = [m for m in ma if group_a[m] == "b"]
+        k = [m for m in ma if group_a[m] == "k"]
+    if cons == "final":
+        rank = {m: j for j, m in enumerate(kept)}
+    else:
+        rank = {m: "bkfs".index(g) for m, g in cons.items()}
+
+    def copy(modes, group, contr_first):
+        free = sorted((m for m in modes if group[m] == "f"), key=lambda m: rank.get(m, 0))
+        return True, {"b": b, "k": k, "f": free}, contr_first
+
+    # a copied x is stored [batch, free, contracted], a copied y [batch, contracted, free]: no
+    # transposed view
+    return (0, (False, va[0], va[1]) if va else copy(ma, group_a, False),
+            (False, vb[0], vb[1]) if vb else copy(mb, group_b, True))
+
+
 @functools.lru_cache(maxsize=1 << 14)
-def _canonical_layout(ma, sta, ga, mb, stb, gb, sizes, cons, kept, itemsize, is_complex, quick):
+def _canonical_layout(ma, sta, ga, mb, stb, gb, sizes, cons, kept, itemsize, is_complex):
     """:func:`_gemm_layout` of a step in canonical form (modes ``0..k-1``; per operand its modes,
     strides and groups as tuples; ``sizes`` per mode; ``cons`` "final" or sorted (mode, role)
     pairs), memoised: circuits and lattices repeat the same local steps many times."""
     return _gemm_layout(list(ma), dict(zip(ma, sta)), list(mb), dict(zip(mb, stb)), dict(zip(ma, ga)),
                         dict(zip(mb, gb)), dict(enumerate(sizes)), cons if cons == "final" else dict(cons),
-                        list(kept), itemsize, is_complex, quick)
+                        list(kept), itemsize, is_complex)
 
 
-def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize, is_complex, repeats):
-    """:func:`_gemm_layout` of the step with its modes renumbered in order of appearance
+def _step_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize, is_complex, repeats):
+    """The layout of one step run ``repeats`` times (once per slice): :func:`_quick_layout`
+    when its multiply-adds over all repeats are below :data:`QUICK_MACS`, else
+    :func:`_gemm_layout` of the step with its modes renumbered in order of appearance
     (:func:`_canonical_layout`); the orders come back in the step's own modes. A pure function
-    of the canonical step, so deterministic."""
+    of the step, so deterministic."""
     ids: dict = {}
-    for m in list(ma) + list(mb) + (list(kept) if cons == "final" else list(cons)):
+    for m in ma:
+        ids[m] = len(ids)
+    for m in mb:
+        ids.setdefault(m, len(ids))
+    macs = math.prod(sizes[m] for m in ids)
+    if macs * repeats < QUICK_MACS:
+        return _quick_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept)
+    for m in (kept if cons == "final" else cons):  # the result's modes: all in a or b
         ids.setdefault(m, len(ids))
     inv = list(ids)
     if cons == "final":
@@ -245,10 +287,9 @@ def _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, ite
     else:
         c_cons, c_kept = tuple(sorted((ids[m], g) for m, g in cons.items())), ()
     swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _canonical_layout(
-        tuple(ids[m] for m in ma), tuple(sta[m] for m in ma), tuple(group_a[m] for m in ma),
+        tuple(range(len(ma))), tuple(sta[m] for m in ma), tuple(group_a[m] for m in ma),
         tuple(ids[m] for m in mb), tuple(stb[m] for m in mb), tuple(group_b[m] for m in mb),
-        tuple(sizes[m] for m in inv), c_cons, c_kept, itemsize, is_complex,
-        math.prod(sizes[m] for m in ids) * repeats < QUICK_MACS)
+        tuple(sizes[m] for m in inv), c_cons, c_kept, itemsize, is_complex)
     back = lambda o: {g: [inv[i] for i in ms] for g, ms in o.items()}  # noqa: E731
     return swap, (copy_a, back(oa), cfa), (copy_b, back(ob), cfb)
 
@@ -268,7 +309,10 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
     for t in list(inputs) + [output]:
         for m in t:
             count[m] = count.get(m, 0) + 1
-    lay = []  # per slot: (modes in dimension order, stride per mode) as the executor will hold it
+    # per slot: (modes in dimension order, stride per mode) as the executor will hold it; strides
+    # never increase along the dimensions (contiguous, or a contiguous operand with sliced modes
+    # selected), which the layout functions rely on
+    lay = []
     for i, t in enumerate(inputs):
         modes = list(t)
         strides = _contiguous_strides(modes, sizes)  # operands are assumed contiguous
@@ -320,16 +364,16 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         seta, setb = set(ma), set(mb)
         group_a = {m: ("b" if count[m] > 0 else "k") if m in setb else "f" for m in ma}
         group_b = {m: ("b" if count[m] > 0 else "k") if m in seta else "f" for m in mb}
-        swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _gemm_layout_memo(ma, sta, mb, stb, group_a, group_b, sizes,
-                                                                       consumer[nslot], kept, itemsize, is_complex,
-                                                                       nslices)
+        swap, (copy_a, oa, cfa), (copy_b, ob, cfb) = _step_layout(ma, sta, mb, stb, group_a, group_b, sizes,
+                                                                  consumer[nslot], kept, itemsize, is_complex, nslices)
         # X enters bmm as [Bt,M,K] (stored [Bt,K,M] if tx), Y as [Bt,K,N] (stored [Bt,N,K] if ty)
         (sx, mx, ox, fx), (sy, my, oy, fy) = ((sb, mb, ob, cfb), (sa, ma, oa, cfa)) if swap \
             else ((sa, ma, oa, cfa), (sb, mb, ob, cfb))
         tx = bool(fx)  # stored [Bt,K,M] when the contracted modes come first
         ty = not fy
-        px = tuple(mx.index(m) for m in (ox["b"] + ox["k"] + ox["f"] if tx else ox["b"] + ox["f"] + ox["k"]))
-        py = tuple(my.index(m) for m in (oy["b"] + oy["f"] + oy["k"] if ty else oy["b"] + oy["k"] + oy["f"]))
+        dx, dy = {m: d for d, m in enumerate(mx)}, {m: d for d, m in enumerate(my)}
+        px = tuple(dx[m] for m in (ox["b"] + ox["k"] + ox["f"] if tx else ox["b"] + ox["f"] + ox["k"]))
+        py = tuple(dy[m] for m in (oy["b"] + oy["f"] + oy["k"] if ty else oy["b"] + oy["k"] + oy["f"]))
         bt = math.prod(sizes[m] for m in ox["b"])
         mm = math.prod(sizes[m] for m in ox["f"])
         kk = math.prod(sizes[m] for m in ox["k"])

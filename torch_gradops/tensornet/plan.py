@@ -85,7 +85,8 @@ class ContractionPlan:
         self.modelled_peak = int(slicer.memory_model(costs, self.checkpoints, copies, dtype.is_complex) * itemsize)
         scale = 2 * (4 if dtype.is_complex else 1)
         self.flops = int(costs.flops() * scale * self.num_slices)
-        self.unsliced_flops = int(slicer.step_costs(steps, sizes, ()).flops() * scale)
+        unsliced = slicer.step_costs(steps, sizes, ()) if sliced else costs
+        self.unsliced_flops = int(unsliced.flops() * scale)
         cut = self.checkpoints[-1] if self.checkpoints else 0
         self.recompute_flops = int(sum(costs.macs[:cut]) * scale * self.num_slices)
         sset = set(sliced)
