@@ -819,6 +819,27 @@ def test_path_cache_on_disk_and_deterministic_search(tmp_path):
         assert [tuple(x) for x in path] == p.path and tuple(sliced) == p.sliced_modes
 
 
+def test_search_uses_pythons_seeded_greedy_whatever_is_installed(monkeypatch):
+    """cotengra's own "greedy" trials run its Rust greedy when cotengrust is installed, whose
+    random draws are seeded per process (plans would then differ between processes and ranks):
+    the search must not call them. With them made to fail, the search still runs, and gives the
+    plan it gives without the patch."""
+    import cotengra.pathfinders.path_greedy as cotengra_greedy
+    inputs, output, arrays = lattice_network(3, 4, 3, seed=5, dtype=F64)
+    args = interleave(inputs, arrays, output)
+    limit = tn.plan(*args, optimize="greedy").largest_intermediate[1] // 4
+    tn.clear_plan_cache()
+    ref = tn.plan(*args, memory_limit=limit, optimize="cotengra")
+    tn.clear_plan_cache()
+
+    def refuse(*a, **k):
+        raise AssertionError("the search called cotengra's installed greedy")
+    monkeypatch.setattr(cotengra_greedy, "ssa_greedy_optimize", refuse)
+    p = tn.plan(*args, memory_limit=limit, optimize="cotengra")
+    assert p.searched and p.path == ref.path and p.sliced_modes == ref.sliced_modes
+    tn.clear_plan_cache()
+
+
 def _tree_of(path, n):
     """The contraction tree of a linear path: per step the frozenset of operands it joins."""
     live = [frozenset([i]) for i in range(n)]

@@ -39,6 +39,8 @@ from typing import Callable, List, Optional, Tuple
 
 import cotengra
 import opt_einsum
+from cotengra.hyperoptimizers.hyper import get_hyper_space, register_hyper_function
+from cotengra.pathfinders import path_basic
 from cotengra.scoring import FlopsObjective
 
 __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget", "wants_more",
@@ -178,6 +180,21 @@ class PlanObjective(FlopsObjective):
         return math.log2(max(work, 1.0))
 
 
+def _greedy_trial(inputs, output, size_dict, random_strength=0.0, temperature=0.0, costmod=1.0):
+    """One trial of the search: cotengra's "greedy" hyper-method (jittered sizes, Boltzmann
+    temperature, cost modifier) on cotengra's Python greedy, whatever else is installed.
+    cotengra takes its Rust greedy when ``cotengrust`` is installed, whose random draws are
+    seeded per process: plans would differ between processes, ranks and machines. This one
+    draws from Python's ``random``, which :func:`_seeded` seeds."""
+    sizes = cotengra.core.jitter_dict(size_dict, random_strength) if random_strength else size_dict
+    ssa = path_basic.optimize_greedy(inputs, output, sizes, costmod=costmod, temperature=temperature, use_ssa=True)
+    return cotengra.ContractionTree.from_path(inputs, output, size_dict, ssa_path=ssa)
+
+
+GREEDY_TRIAL = "torch_gradops-greedy"  # the hyper-method name of _greedy_trial
+register_hyper_function(GREEDY_TRIAL, _greedy_trial, get_hyper_space()["greedy"])  # cotengra's "greedy" space
+
+
 def _seeded(fn):
     """Run ``fn`` with Python's global ``random`` (which cotengra's greedy and slicer draw
     from) seeded, restoring its state after: deterministic, and invisible to the caller."""
@@ -260,7 +277,7 @@ def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callab
     planner splits modes of the others, :func:`~.slicer.split_to_fit`). The trials are shared
     between them; ``more(trials)``: whether a search goes on past its minimum."""
     lo, hi = budget["min_repeats"], budget["max_repeats"]
-    base = dict(methods=["greedy"], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED},
+    base = dict(methods=[GREEDY_TRIAL], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED},
                 more=more)
     if limit_elems is None and not min_slices:
         return [dict(base, min_repeats=lo, max_repeats=hi)]
