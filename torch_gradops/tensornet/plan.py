@@ -463,7 +463,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
                             objective=score_tree, path_cache=path_cache, select=select_tree)
     path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
-    unsliced_largest = _unsliced_largest(steps, network.sizes)
+    unsplit_sizes = network.sizes  # for the error below (the split network renumbers modes)
     network, sliced, checkpoints, copies = _split_plan_network(network, path, sliced, splits, slicing_.cap,
                                                                itemsize, dtype.is_complex)
     plan = ContractionPlan(expr=expr if expr is not None else parser.describe(terms, out),
@@ -472,6 +472,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
                            memory_limit=limit, optimizer=found.optimizer, searched=found.searched,
                            checkpoints=checkpoints, copies=copies, search_s=found.search_s)
     if max_overhead is not None and plan.flops > max_overhead * max(plan.unsliced_flops, 1):
+        unsliced_largest = _unsliced_largest(steps, unsplit_sizes)
         raise ValueError(
             f"this plan is too expensive: {plan.num_slices} slices cost {plan.flops:.3g} FLOPs, "
             f"{plan.flops / max(plan.unsliced_flops, 1):.3g}x the unsliced {plan.unsliced_flops:.3g} "
