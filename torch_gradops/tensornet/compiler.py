@@ -3,8 +3,9 @@
 Each pairwise step becomes one batched GEMM (``bmm``). The compiler lays out each operand and
 result so that, where the memory order allows, an operand enters ``bmm`` as a view (possibly
 transposed) rather than a copy, and each step's result comes out in the order its consumer
-wants; the choice minimises an estimated copy cost (:func:`_gemm_layout`). Modes that no one
-else needs are summed before a step; sliced modes are selected first.
+wants; the choice minimises an estimated copy cost (:func:`_gemm_layout`), except for steps
+too small to be worth the search (:func:`_quick_layout`). Modes that no one else needs are
+summed before a step; sliced modes are selected first.
 """
 from __future__ import annotations
 
@@ -149,7 +150,6 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     contr = [m for m in ma if group_a[m] == "k"]
     left = [m for m in ma if group_a[m] == "f"]
     right = [m for m in mb if group_b[m] == "f"]
-    mem_a, mem_b = ma, mb  # memory order is dimension order (see _view_orders)
     size_c = math.prod(sizes[m] for m in batch + left + right)
     size_l = math.prod(sizes[m] for m in left)
     size_r = math.prod(sizes[m] for m in right)
@@ -187,7 +187,7 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
                 shared = [(vb[0]["b"], vb[0]["k"])]
             else:  # both copied: batch and contracted orders free; try each operand's memory order
                 shared = {(tuple(m for m in mem if m in batch), tuple(m for m in mem if m in contr))
-                          for mem in (mem_a, mem_b)}
+                          for mem in (ma, mb)}  # memory order = dimension order
                 shared = [(list(b), list(k)) for b, k in shared]
             for rank in keys:
                 by = lambda ms: tuple(sorted(ms, key=lambda m: rank.get(m, 0)))  # noqa: E731
@@ -195,12 +195,12 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
                 orders = lambda ms: {by(ms), tuple(ms)}  # noqa: E731
                 for b_ord, k_ord in shared:
                     if copy_a:
-                        fa = [m for m in mem_a if m in left]
+                        fa = [m for m in ma if m in left]
                         opts_a = [copied(0, b_ord, k_ord, f) for f in orders(fa)]
                     else:
                         opts_a = [(0, va[0], va[1])]
                     if copy_b:
-                        fb = [m for m in mem_b if m in right]
+                        fb = [m for m in mb if m in right]
                         opts_b = [copied(1, b_ord, k_ord, f) for f in orders(fb)]
                     else:
                         opts_b = [(0, vb[0], vb[1])]
