@@ -33,7 +33,8 @@ class _ReverseIndex:
 
 def _append_zero_row(values: torch.Tensor) -> torch.Tensor:
     """``values`` with one zero row after its last: where :meth:`BipartiteCSC._inverse_perm`
-    sends the original edges a graph leaves out."""
+    sends the original edges a graph leaves out, and the layers' extra destination row for the
+    input's own self-loops under torch.compile (:func:`csc_from_edges`)."""
     return torch.cat([values, values.new_zeros((1,) + values.shape[1:])])
 
 

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch_geometric.nn.conv import GATConv as PyGGATConv
 
 from ..gat import gat_attention
-from ..graph import BipartiteCSC
+from ..graph import BipartiteCSC, _append_zero_row
 from .adjacency import attention_result, csc_graph, loop_edge_attr, propagate_sizes
 
 __all__ = ["GATConv"]
@@ -145,7 +145,7 @@ class GATConv(PyGGATConv):
         trash = graph.num_dst == num_dst + 1  # (torch.compile) the extra row holding the input's self-loops
         a_dst = alpha_dst.to(dtype) if alpha_dst is not None else x_src.new_zeros((num_dst, H))
         if trash:
-            a_dst = torch.cat([a_dst, a_dst.new_zeros((1, H))])
+            a_dst = _append_zero_row(a_dst)
         p = float(self.dropout) if self.training else 0.0
         drop_all = p >= 1.0  # F.dropout(p=1) zeroes everything; the kernel takes p < 1
         result = gat_attention(x_src.contiguous(), alpha_src.to(dtype).contiguous(), a_dst.contiguous(), graph,

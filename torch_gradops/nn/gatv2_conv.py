@@ -9,7 +9,7 @@ from torch import Tensor
 from torch_geometric.nn.conv import GATv2Conv as PyGGATv2Conv
 
 from ..gatv2 import _check_inputs, _gatv2_attention_csc
-from ..graph import BipartiteCSC
+from ..graph import BipartiteCSC, _append_zero_row
 from .adjacency import attention_result, csc_edge_features, csc_graph, propagate_sizes
 
 __all__ = ["GATv2Conv"]
@@ -92,7 +92,7 @@ class GATv2Conv(PyGGATv2Conv):
         if x_r.size(0) != num_dst:  # (a no-op slice would still cost a copy in the backward)
             x_r = x_r[:num_dst]
         if graph.num_dst == num_dst + 1:  # (torch.compile) the extra row holding the input's self-loops
-            x_r = torch.cat([x_r, x_r.new_zeros((1, H, C))])
+            x_r = _append_zero_row(x_r)
         weight = None
         if edge_feats is not None:
             # lin_edge (no bias): x @ W^T, i.e. edge_weight[k, h, c] = W[h*C + c, k]
