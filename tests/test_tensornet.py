@@ -821,10 +821,15 @@ def test_path_cache_on_disk_and_deterministic_search(tmp_path):
 
 def test_search_uses_pythons_seeded_greedy_whatever_is_installed(monkeypatch):
     """cotengra's own "greedy" trials run its Rust greedy when cotengrust is installed, whose
-    random draws are seeded per process (plans would then differ between processes and ranks):
-    the search must not call them. With them made to fail, the search still runs, and gives the
-    plan it gives without the patch."""
+    random draws are seeded per process (plans would then differ between processes and ranks),
+    and its subtree reconfiguration takes cotengrust's exact optimizer, which breaks ties
+    differently (plans would depend on the install): the search must use neither. With both
+    made to fail and the winner always reconfigured, the search still runs, and gives the plan
+    it gives without the patches."""
+    import cotengra.pathfinders.path_basic as cotengra_basic
     import cotengra.pathfinders.path_greedy as cotengra_greedy
+    from torch_gradops.tensornet import paths
+    monkeypatch.setattr(paths, "worth_polishing", lambda *a, **k: True)
     inputs, output, arrays = lattice_network(3, 4, 3, seed=5, dtype=F64)
     args = interleave(inputs, arrays, output)
     limit = tn.plan(*args, optimize="greedy").largest_intermediate[1] // 4
@@ -835,6 +840,9 @@ def test_search_uses_pythons_seeded_greedy_whatever_is_installed(monkeypatch):
     def refuse(*a, **k):
         raise AssertionError("the search called cotengra's installed greedy")
     monkeypatch.setattr(cotengra_greedy, "ssa_greedy_optimize", refuse)
+    python_optimal = cotengra_basic.get_optimize_optimal(False)
+    monkeypatch.setattr(cotengra_basic, "get_optimize_optimal",
+                        lambda accel="auto": python_optimal if accel is False else refuse)
     p = tn.plan(*args, memory_limit=limit, optimize="cotengra")
     assert p.searched and p.path == ref.path and p.sliced_modes == ref.sliced_modes
     tn.clear_plan_cache()

@@ -264,9 +264,13 @@ def _reconfigured(tree, inputs, output, size_dict) -> list:
     budgeted search runs it on the winner only): the tree as sliced, and its contraction order
     unsliced (the planner then slices it afresh, which may slice other modes)."""
     unsliced = cotengra.ContractionTree.from_path(inputs, output, size_dict, path=tree.get_path())
-    out = [_seeded(lambda: unsliced.subtree_reconfigure(subtree_size=RECONF_SUBTREE, minimize="flops"))]
+    # cotengra's exact subtree optimizer in Python: cotengra takes cotengrust's when installed,
+    # which breaks ties differently, and plans would depend on the install
+    kw = dict(subtree_size=RECONF_SUBTREE, minimize="flops",
+              optimize=path_basic.OptimalOptimizer(minimize="flops", accel=False))
+    out = [_seeded(lambda: unsliced.subtree_reconfigure(**kw))]
     if tree.sliced_inds:
-        out.append(_seeded(lambda: tree.subtree_reconfigure(subtree_size=RECONF_SUBTREE, minimize="flops")))
+        out.append(_seeded(lambda: tree.subtree_reconfigure(**kw)))
     return out
 
 
