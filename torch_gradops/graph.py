@@ -336,7 +336,8 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
             raise ValueError(f"cannot add {L} self-loops to a {num_src} x {num_dst} graph")
         ids = torch.arange(E, device=device) if order is None else order  # processed id per sorted edge
         is_loop = s == d
-        keep = (~is_loop).long()
+        not_loop = ~is_loop
+        keep = not_loop.long()
         kept_counts = torch.zeros(num_dst, dtype=torch.long, device=device).index_add_(0, d, keep)
         kept_ptr = torch.cat([kept_counts.new_zeros(1), kept_counts.cumsum(0)])  # [num_dst + 1]
         # A destination's segment holds its kept edges (input order) then its added loop, so a
@@ -348,8 +349,7 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
             pos = torch.where(is_loop, kept_ptr[-1] + L + loop_rank, pos)
             total = E + L
         else:  # left out (an empty selection when there are none)
-            kept = ~is_loop
-            pos, s, ids = pos[kept], s[kept], ids[kept]
+            pos, s, ids = pos[not_loop], s[not_loop], ids[not_loop]
             total = s.numel() + L
         loop_ids = torch.arange(L, device=device)
         loop_pos = kept_ptr[1:L + 1] + loop_ids

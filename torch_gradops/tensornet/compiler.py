@@ -132,6 +132,22 @@ def _copy_cost(modes, strides, order, sizes, itemsize):
     return math.prod(sizes[m] for m in modes) * (1 + 256 / (run * itemsize))
 
 
+def _consumer_rank(cons, kept, roles="bkfs"):
+    """Per mode of a step's result, its rank in the order its consumer wants: the position in
+    the output (``cons`` "final", ``kept`` the output's modes), else the index of its role in
+    ``roles``."""
+    if cons == "final":
+        return {m: j for j, m in enumerate(kept)}
+    return {m: roles.index(g) for m, g in cons.items()}
+
+
+def _views_agree(va, vb, sizes):
+    """Whether two operands' views (:func:`_view_orders`) hold the batch and the contracted
+    modes of extent > 1 in the same orders, as bmm needs when neither is copied."""
+    nz = lambda ms: [m for m in ms if sizes[m] > 1]  # noqa: E731
+    return nz(va[0]["b"]) == nz(vb[0]["b"]) and nz(va[0]["k"]) == nz(vb[0]["k"])
+
+
 def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize=8, is_complex=False):
     """Layout of one pairwise step. Each operand enters bmm as a view when its memory allows
     ([batch, free, contr] or [batch, contr, free]; bmm takes the transposed view without
@@ -155,11 +171,9 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     size_r = math.prod(sizes[m] for m in right)
     macs = size_c * math.prod(sizes[m] for m in contr)
     narrow = macs * (0.05 if is_complex else 1.0)  # cost of rows < 16 elements (see above)
-    nz = lambda ms: [m for m in ms if sizes[m] > 1]  # noqa: E731
-    if cons == "final":
-        keys = [{m: j for j, m in enumerate(kept)}]
-    else:
-        keys = [{m: "bkfs".index(cons[m]) for m in cons}, {m: "bfks".index(cons[m]) for m in cons}]
+    keys = [_consumer_rank(cons, kept)]
+    if cons != "final":  # the consumer takes its free modes before or after the contracted ones
+        keys.append(_consumer_rank(cons, kept, "bfks"))
 
     memo = {}
 
@@ -178,7 +192,7 @@ def _gemm_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept, itemsize
     for copy_a in ((False, True) if va else (True,)):
         for copy_b in ((False, True) if vb else (True,)):
             if not copy_a and not copy_b:
-                if nz(va[0]["b"]) != nz(vb[0]["b"]) or nz(va[0]["k"]) != nz(vb[0]["k"]):
+                if not _views_agree(va, vb, sizes):
                     continue
                 shared = [(None, None)]
             elif not copy_a:
@@ -229,8 +243,7 @@ def _quick_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept):
     va = _view_orders(ma, sta, group_a, sizes)
     vb = _view_orders(mb, stb, group_b, sizes)
     if va and vb:
-        nz = lambda ms: [m for m in ms if sizes[m] > 1]  # noqa: E731
-        if nz(va[0]["b"]) == nz(vb[0]["b"]) and nz(va[0]["k"]) == nz(vb[0]["k"]):
+        if _views_agree(va, vb, sizes):
             return 0, (False, va[0], va[1]), (False, vb[0], vb[1])
         vb = None  # they disagree: copy b
     if va:
@@ -240,10 +253,7 @@ def _quick_layout(ma, sta, mb, stb, group_a, group_b, sizes, cons, kept):
     else:  # both copied: batch and contracted modes in a's memory (= dimension) order
         b = [m for m in ma if group_a[m] == "b"]
         k = [m for m in ma if group_a[m] == "k"]
-    if cons == "final":
-        rank = {m: j for j, m in enumerate(kept)}
-    else:
-        rank = {m: "bkfs".index(g) for m, g in cons.items()}
+    rank = _consumer_rank(cons, kept)
 
     def copy(modes, group, contr_first):
         free = sorted((m for m in modes if group[m] == "f"), key=lambda m: rank.get(m, 0))
