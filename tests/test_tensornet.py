@@ -890,6 +890,56 @@ def test_winner_is_reconfigured_when_worth_it(monkeypatch):
     torch.testing.assert_close(polished.contract(*arrays).double(), want, rtol=1e-4, atol=1e-6 * want.abs().item())
 
 
+
+def test_reconfiguration_memo_gives_the_exact_optimizers_trees(monkeypatch):
+    """The winner's reconfiguration memoises cotengra's exact subtree optimizer (the same
+    subtree, sizes and cost cap come back within a tree and across its sliced and unsliced
+    versions): the reconfigured trees are those of the optimizer called every time, from fewer
+    calls. Keyed by the sizes too: a chain whose best order flips with them gets the exact
+    optimizer's path each way (a memo keyed by the subtree alone fails this)."""
+    import cotengra
+    from cotengra.pathfinders import path_basic
+    from torch_gradops.tensornet import paths
+    inputs, output, arrays = lattice_network(6, 6, 8, seed=0)
+    sym = {m: opt_einsum.get_symbol(i) for i, m in enumerate(sorted({m for t in inputs for m in t}))}
+    c_in = [[sym[m] for m in t] for t in inputs]
+    sizes = {sym[m]: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+    greedy = opt_einsum.paths.greedy([frozenset(t) for t in c_in], frozenset(), sizes)
+    tree = cotengra.ContractionTree.from_path(c_in, [], sizes, path=greedy)
+    tree = tree.remove_ind(sym[inputs[14][1]])  # a bond in the middle sliced
+    calls = {"plain": 0, "memo": 0}
+
+    class Plain(path_basic.OptimalOptimizer):
+        def __call__(self, *a, **k):
+            calls[self.who] += 1
+            return super().__call__(*a, **k)
+
+    def plain_optimal(who):
+        opt = Plain(minimize="flops", accel=False)
+        opt.who = who
+        return opt
+
+    memo = paths._MemoisedOptimal
+    monkeypatch.setattr(paths, "_MemoisedOptimal", lambda: plain_optimal("plain"))
+    want = [t.get_path() for t in paths._reconfigured(tree, c_in, [], sizes)]
+
+    def counted():
+        m = memo()
+        m._opt = plain_optimal("memo")
+        return m
+    monkeypatch.setattr(paths, "_MemoisedOptimal", counted)
+    got = [t.get_path() for t in paths._reconfigured(tree, c_in, [], sizes)]
+    assert len(want) == 2 and got == want
+    assert 0 < calls["memo"] < calls["plain"], calls
+    # keyed by the sizes: a chain whose best order flips with them
+    m, exact = memo(), path_basic.OptimalOptimizer(minimize="flops", accel=False)
+    chain = [("a", "b"), ("b", "c"), ("c", "d")]
+    for extents in ({"a": 2, "b": 10, "c": 2, "d": 10}, {"a": 10, "b": 2, "c": 10, "d": 2}) * 2:
+        m.cost_cap = exact.cost_cap = 10 ** 4
+        assert [tuple(p) for p in m(chain, (), extents)] == [tuple(p) for p in exact(chain, (), extents)]
+    assert m(chain, (), {"a": 2, "b": 10, "c": 2, "d": 10}) != m(chain, (), {"a": 10, "b": 2, "c": 10, "d": 2})
+
+
 def test_step_costs_rescaled_match_a_fresh_table():
     """StepCosts.rescaled (one mode's extent changed, in the time of that mode's steps) gives
     the table a fresh StepCosts computes, for modes chunked and sliced, on lattice and circuit

@@ -258,16 +258,36 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
                       time.perf_counter() - t0 if searched else 0.0)
 
 
+class _MemoisedOptimal:
+    """cotengra's exact path optimizer in Python (``OptimalOptimizer(accel=False)``: cotengra
+    takes cotengrust's when installed, which breaks ties differently, and plans would depend on
+    the install), memoised: subtree reconfiguration optimises the same subtree (same leaves,
+    sizes and cost cap, which cotengra sets before each call) again and again, within a tree and
+    across the sliced and unsliced trees of :func:`_reconfigured` (the benchmark lattices: 36-72
+    calls, 12-44 distinct). The optimizer is a pure function of the key: same paths, less time."""
+
+    def __init__(self):
+        self._opt = path_basic.OptimalOptimizer(minimize="flops", accel=False)
+        self._memo = {}
+        self.cost_cap = self._opt.cost_cap
+
+    def __call__(self, inputs, output, size_dict, **kwargs):
+        key = (self.cost_cap, tuple(map(tuple, inputs)), tuple(output),
+               tuple(sorted({ix: size_dict[ix] for term in inputs for ix in term}.items())),
+               tuple(sorted(kwargs.items())))
+        if key not in self._memo:
+            self._opt.cost_cap = self.cost_cap
+            self._memo[key] = tuple(map(tuple, self._opt(inputs, output, size_dict, **kwargs)))
+        return list(self._memo[key])
+
+
 def _reconfigured(tree, inputs, output, size_dict) -> list:
     """The chosen tree after cotengra's subtree reconfiguration (locally optimal subtrees, the
     refinement its default search gives every trial; 10-20x the cost of a greedy trial, so the
     budgeted search runs it on the winner only): the tree as sliced, and its contraction order
     unsliced (the planner then slices it afresh, which may slice other modes)."""
     unsliced = cotengra.ContractionTree.from_path(inputs, output, size_dict, path=tree.get_path())
-    # cotengra's exact subtree optimizer in Python: cotengra takes cotengrust's when installed,
-    # which breaks ties differently, and plans would depend on the install
-    kw = dict(subtree_size=RECONF_SUBTREE, minimize="flops",
-              optimize=path_basic.OptimalOptimizer(minimize="flops", accel=False))
+    kw = dict(subtree_size=RECONF_SUBTREE, minimize="flops", optimize=_MemoisedOptimal())
     out = [_seeded(lambda: unsliced.subtree_reconfigure(**kw))]
     if tree.sliced_inds:
         out.append(_seeded(lambda: tree.subtree_reconfigure(**kw)))
