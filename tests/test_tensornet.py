@@ -1,6 +1,7 @@
 """Tests of torch_gradops.tensornet: values and gradients against torch.einsum, slicing,
 slice groups, double backward, forward AD, plan cache, validation, memory bound, dtypes,
 torch.compile and opcheck."""
+import math
 import random
 import string
 
@@ -1335,6 +1336,52 @@ def _place_checkpoints_quadratic(costs, cap, copies=None, complex_=False):
         if peak < best[0]:
             best = (peak, every, sum(costs.macs[:-1]))
     return best
+
+
+def test_any_layout_peak_bounds_the_model_and_spares_compiling(monkeypatch):
+    """The planner skips compiling a candidate's layout when even the worst layout (every
+    intermediate operand and every result copied) fits the cap: that bound is at least
+    memory_model's peak without checkpoints for any copies, on random contraction trees, real
+    and complex; and a lattice plan whose candidates all fit compiles only its own layout
+    (once), giving the plan it gives when every candidate is compiled."""
+    import importlib
+    from types import SimpleNamespace
+    from torch_gradops.tensornet import slicer
+    plan_mod = importlib.import_module("torch_gradops.tensornet.plan")
+    rng = random.Random(11)
+    for _ in range(2000):
+        pool, result, inputs, made_by = [(-1, rng.randint(1, 64)) for _ in range(rng.randint(2, 16))], [], [], []
+        while len(pool) > 1:
+            (pa, ea), (pb, eb) = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
+            r = rng.choice([1, 4, 16, 256]) * rng.randint(1, 8)
+            result.append(r), inputs.append((ea, eb)), made_by.append((pa, pb))
+            pool.append((len(result) - 1, r))
+        n = len(result)
+        consumer = [n] * n
+        for j, prods in enumerate(made_by):
+            for p in prods:
+                if p >= 0:
+                    consumer[p] = j
+        costs = SimpleNamespace(result=result, macs=result, inputs=inputs, from_step=made_by, consumer=consumer)
+        every = rng.random() < 0.5
+        copies = [(tuple(p for p in made_by[j] if p >= 0 and (every or rng.random() < 0.5)), every or rng.random() < 0.5)
+                  for j in range(n)]
+        cx = rng.random() < 0.3
+        assert slicer.memory_model(costs, (), copies, cx) <= plan_mod._any_layout_peak(costs, cx)
+    inputs, output, arrays = lattice_network(6, 6, 8, seed=0)
+    args = interleave(inputs, arrays, output)
+    tn.clear_plan_cache()
+    compiled = []
+    copies_of = plan_mod._copies
+    monkeypatch.setattr(plan_mod, "_copies", lambda *a: compiled.append(a[1]) or copies_of(*a))
+    fast = tn.plan(*args, memory_limit=64 << 20)
+    assert len(compiled) == 1 and fast.num_slices == 1, len(compiled)
+    tn.clear_plan_cache()
+    monkeypatch.setattr(plan_mod, "_any_layout_peak", lambda *a: math.inf)
+    full = tn.plan(*args, memory_limit=64 << 20)
+    assert len(compiled) > 2 and (full.path, full.sliced_modes, full.checkpoints) == \
+        (fast.path, fast.sliced_modes, fast.checkpoints)
+    tn.clear_plan_cache()
 
 
 def test_place_checkpoints_matches_the_quadratic_placement():

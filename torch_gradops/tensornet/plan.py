@@ -360,7 +360,9 @@ class _Slicing:
         path, steps, sliced = self.choose(path, suggested)
         splits = {}
         if self.limit_elems is not None:
-            peak_of = self._peak_of(_copies(net, path, sliced, itemsize, self.is_complex))
+            # the compiled layout's copies matter only where some layout could exceed the cap
+            fits = not sliced and _any_layout_peak(slicer.step_costs(steps, net.sizes, ()), self.is_complex) <= self.cap
+            peak_of = self._peak_of(None if fits else _copies(net, path, sliced, itemsize, self.is_complex))
             splits, sliced = self._chunked(steps, sliced, peak_of)
             more, whole = slicer.split_to_fit(steps, slicer.chunked_sizes(net.sizes, splits), net.output, sliced,
                                               self.cap, peak_of)
@@ -384,6 +386,16 @@ class _Slicing:
         if self.cap is not None and peak > self.cap:
             work *= (peak / self.cap) ** 0.6
         return work
+
+
+def _any_layout_peak(costs, is_complex) -> int:
+    """An upper bound of :func:`~.slicer.memory_model` without checkpoints whatever the compiled
+    layout copies: every step copying both its operands and its result (the most
+    :func:`~.slicer._transients` can add). Where it is within the cap, the layout changes no
+    slicing decision, and the planner need not compile a candidate to know that."""
+    worst = max((ia + ib + r + (max(ia, ib) if is_complex else 0)
+                 for (ia, ib), r in zip(costs.inputs, costs.result)), default=0)
+    return sum(costs.result) + worst
 
 
 def _checkpointed_peak(cap, copies, is_complex):
