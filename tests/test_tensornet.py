@@ -1338,6 +1338,26 @@ def _place_checkpoints_quadratic(costs, cap, copies=None, complex_=False):
     return best
 
 
+def _random_step_costs(rng, max_operands):
+    """A StepCosts-like table of a random contraction tree over 2..max_operands operands (step
+    results of 1-2048 elements): what the memory-model tests run on."""
+    from types import SimpleNamespace
+    pool = [(-1, rng.randint(1, 64)) for _ in range(rng.randint(2, max_operands))]
+    result, macs, inputs, made_by = [], [], [], []
+    while len(pool) > 1:
+        (pa, ea), (pb, eb) = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
+        r = rng.choice([1, 4, 16, 256]) * rng.randint(1, 8)
+        result.append(r), macs.append(r * rng.randint(1, 64)), inputs.append((ea, eb)), made_by.append((pa, pb))
+        pool.append((len(result) - 1, r))
+    n = len(result)
+    consumer = [n] * n
+    for j, prods in enumerate(made_by):
+        for p in prods:
+            if p >= 0:
+                consumer[p] = j
+    return SimpleNamespace(result=result, macs=macs, inputs=inputs, from_step=made_by, consumer=consumer)
+
+
 def test_any_layout_peak_bounds_the_model_and_spares_compiling(monkeypatch):
     """The planner skips compiling a candidate's layout when even the worst layout (every
     intermediate operand and every result copied) fits the cap: that bound is at least
@@ -1345,24 +1365,12 @@ def test_any_layout_peak_bounds_the_model_and_spares_compiling(monkeypatch):
     and complex; and a lattice plan whose candidates all fit compiles only its own layout
     (once), giving the plan it gives when every candidate is compiled."""
     import importlib
-    from types import SimpleNamespace
     from torch_gradops.tensornet import slicer
     plan_mod = importlib.import_module("torch_gradops.tensornet.plan")
     rng = random.Random(11)
     for _ in range(2000):
-        pool, result, inputs, made_by = [(-1, rng.randint(1, 64)) for _ in range(rng.randint(2, 16))], [], [], []
-        while len(pool) > 1:
-            (pa, ea), (pb, eb) = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
-            r = rng.choice([1, 4, 16, 256]) * rng.randint(1, 8)
-            result.append(r), inputs.append((ea, eb)), made_by.append((pa, pb))
-            pool.append((len(result) - 1, r))
-        n = len(result)
-        consumer = [n] * n
-        for j, prods in enumerate(made_by):
-            for p in prods:
-                if p >= 0:
-                    consumer[p] = j
-        costs = SimpleNamespace(result=result, macs=result, inputs=inputs, from_step=made_by, consumer=consumer)
+        costs = _random_step_costs(rng, 16)
+        made_by, n = costs.from_step, len(costs.result)
         every = rng.random() < 0.5
         copies = [(tuple(p for p in made_by[j] if p >= 0 and (every or rng.random() < 0.5)), every or rng.random() < 0.5)
                   for j in range(n)]
@@ -1390,24 +1398,12 @@ def test_place_checkpoints_matches_the_quadratic_placement():
     modelling it (the quadratic oracle above), on random contraction trees with and without the
     layout's copies, for caps that fit, that fit only with checkpoints and that nothing fits;
     the peak it reports is memory_model's of its checkpoints."""
-    from types import SimpleNamespace
     from torch_gradops.tensornet import slicer
     rng = random.Random(7)
     kinds = set()
     for _ in range(3000):
-        pool, result, macs, inputs, made_by = [(-1, rng.randint(1, 64)) for _ in range(rng.randint(2, 24))], [], [], [], []
-        while len(pool) > 1:
-            (pa, ea), (pb, eb) = pool.pop(rng.randrange(len(pool))), pool.pop(rng.randrange(len(pool)))
-            r = rng.choice([1, 4, 16, 256]) * rng.randint(1, 8)
-            result.append(r), macs.append(r * rng.randint(1, 64)), inputs.append((ea, eb)), made_by.append((pa, pb))
-            pool.append((len(result) - 1, r))
-        n = len(result)
-        consumer = [n] * n
-        for j, prods in enumerate(made_by):
-            for p in prods:
-                if p >= 0:
-                    consumer[p] = j
-        costs = SimpleNamespace(result=result, macs=macs, inputs=inputs, from_step=made_by, consumer=consumer)
+        costs = _random_step_costs(rng, 24)
+        made_by, n = costs.from_step, len(costs.result)
         copies = None if rng.random() < 0.4 else [
             (tuple(p for p in made_by[j] if p >= 0 and rng.random() < 0.4), rng.random() < 0.3) for j in range(n)]
         cx = rng.random() < 0.3
