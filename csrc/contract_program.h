@@ -57,4 +57,29 @@ Program decode_program(at::IntArrayRef program, int64_t n_operands);
 // The flat int list of a decoded program (decode_program's inverse).
 std::vector<int64_t> encode_program(const Program& P);
 
+// One pairwise step of a compiled program, for the planner's memory model: multiply-adds,
+// result elements and GEMM operand elements per slice, the steps whose results it copies into
+// its GEMM layout, and whether its own result is copied by the step that reads it.
+struct CompiledStep {
+  int64_t macs = 0, result = 0, gemm_operands = 0;
+  std::vector<int64_t> copied;
+  bool result_copied = false;
+};
+
+struct CompiledProgram {
+  std::vector<int64_t> program;  // encoded
+  std::vector<CompiledStep> steps;
+};
+
+// The contraction compiler (contract_compiler.cpp; documented in
+// torch_gradops/tensornet/compiler.py): the program of `path` over the network `inputs ->
+// output` (mode ids 0..sizes.size()-1) with the `sliced` modes selected and a CHECKPOINT before
+// each step in `checkpoints`. Steps of fewer than `quick_macs` multiply-adds over all slices get
+// the quick layout instead of the search. Throws std::invalid_argument for a malformed path.
+CompiledProgram compile_contract_program(const std::vector<std::vector<int64_t>>& inputs,
+                                         const std::vector<int64_t>& output, const std::vector<int64_t>& sizes,
+                                         const std::vector<std::pair<int64_t, int64_t>>& path,
+                                         const std::vector<int64_t>& sliced, int64_t itemsize, bool is_complex,
+                                         const std::vector<int64_t>& checkpoints, int64_t quick_macs);
+
 }  // namespace torch_gradops

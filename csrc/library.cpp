@@ -30,6 +30,24 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return std::map<std::string, int64_t>{{"VERSION", kVersion}, {"SELECT", kSelect}, {"SUM", kSum},
                                           {"CONTRACT", kContract}, {"FINAL", kFinal}, {"CHECKPOINT", kCheckpoint}};
   }, "Version and opcodes of the contraction program format.");
+  m.def("compile_contract_program",
+        [](const std::vector<std::vector<int64_t>>& inputs, const std::vector<int64_t>& output,
+           const std::vector<int64_t>& sizes, const std::vector<std::pair<int64_t, int64_t>>& path,
+           const std::vector<int64_t>& sliced, int64_t itemsize, bool is_complex,
+           const std::vector<int64_t>& checkpoints, int64_t quick_macs) {
+          auto c = torch_gradops::compile_contract_program(inputs, output, sizes, path, sliced, itemsize, is_complex,
+                                                           checkpoints, quick_macs);
+          pybind11::tuple program(c.program.size());
+          for (size_t i = 0; i < c.program.size(); ++i) program[i] = pybind11::int_(c.program[i]);
+          pybind11::list steps;
+          for (const auto& s : c.steps) {
+            pybind11::tuple copied(s.copied.size());
+            for (size_t i = 0; i < s.copied.size(); ++i) copied[i] = pybind11::int_(s.copied[i]);
+            steps.append(pybind11::make_tuple(s.macs, s.result, s.gemm_operands, copied, s.result_copied));
+          }
+          return pybind11::make_tuple(program, steps);
+        },
+        "The contraction compiler (torch_gradops/tensornet/compiler.py): (encoded program, steps).");
   m.def("reencode_contract_program", [](std::vector<int64_t> program, int64_t n_operands) {
     return torch_gradops::encode_program(torch_gradops::decode_program(program, n_operands));
   }, "Decode a contraction program with the executor's decoder and encode it again.");

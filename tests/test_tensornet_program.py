@@ -1,5 +1,7 @@
 """The contraction program format: Python (tensornet/program.py) and C++ (csrc/contract_program.h)
 stay in step. Programs encoded in Python decode and re-encode unchanged on both sides."""
+import random
+
 import pytest
 import torch
 
@@ -76,32 +78,97 @@ def test_malformed_programs_are_refused_on_both_sides():
         _cpp_reencode(ints, 3)
 
 
-@pytest.mark.parametrize("quick_macs", [0, 1 << 14], ids=["searched", "default"])
-def test_compiled_layouts_are_memoised_deterministically(monkeypatch, quick_macs):
-    """The compiler memoises each searched step's GEMM layout on the step's canonical form
-    (modes renumbered in order of appearance): a warm memo gives the same program as a cold
-    one, and two networks that differ only in their mode labels compile to the same program
-    (also with the quick layouts that the default threshold gives this network's small steps)."""
+def _random_networks(n, seed):
+    """``n`` random networks (mode ids, sizes, an opt_einsum path, a slicing): hyperedges, batch
+    and output modes, extents of 1, up to 7 operands."""
+    import opt_einsum
+    rng = random.Random(seed)
+    for _ in range(n):
+        n_modes = rng.randint(3, 12)
+        sizes = {m: rng.choice([1, 2, 3, 4, 5, 8]) for m in range(n_modes)}
+        inputs = [rng.sample(range(n_modes), rng.randint(1, min(5, n_modes))) for _ in range(rng.randint(2, 7))]
+        used = sorted({m for t in inputs for m in t})
+        output = rng.sample(used, rng.randint(0, min(3, len(used))))
+        path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+        if len(inputs) > 1 and not path:
+            continue
+        sliced = rng.sample(used, rng.randint(0, min(2, len(used))))
+        yield inputs, output, sizes, path, sliced
+
+
+def _compile_both(inputs, output, sizes, path, sliced, itemsize, is_complex, checkpoints=(), quick_macs=1 << 14):
+    from torch_gradops.tensornet import compiler
+    from compiler_reference import compile_program as reference
+    ref_prog, ref_steps = reference(inputs, output, dict(sizes), path, sliced, itemsize, is_complex, checkpoints,
+                                    quick_macs)
+    prog, steps = compiler.compile_program(inputs, output, sizes, path, sliced, itemsize, is_complex, checkpoints,
+                                           quick_macs=quick_macs)
+    return (fmt.encode(ref_prog), [tuple(x) for x in ref_steps]), (tuple(prog), [tuple(x) for x in steps])
+
+
+@pytest.mark.parametrize("quick_macs", [0, 1 << 14, 1 << 60], ids=["searched", "default", "all_quick"])
+def test_compiler_matches_the_python_reference(quick_macs):
+    """The C++ compiler gives the program and step table of tests/compiler_reference.py (the
+    layout rules in Python) on random networks (sliced and not, real and complex, with
+    checkpoints), a lattice at several slicings and a circuit."""
+    from torch_gradops.testing import lattice_network
+    import opt_einsum
+    cases = []
+    for k, (inputs, output, sizes, path, sliced) in enumerate(_random_networks(150, seed=quick_macs % 7)):
+        cases.append((inputs, output, sizes, path, sliced if k % 2 else (), (4, 8, 16)[k % 3], k % 3 == 2,
+                      tuple(range(1, len(path), 2)) if k % 5 == 0 else ()))
+    inputs, output, arrays = lattice_network(4, 4, 4, seed=1)
+    sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+    path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+    for sliced in ((), (inputs[0][0],), tuple(inputs[5][:2])):
+        cases.append((inputs, output, sizes, path, sliced, 4, False, (3, 9)))
+    inputs, output, arrays = circuit_amplitude_network(3, 3, 8, seed=2)
+    sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
+    path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+    cases.append((inputs, output, sizes, path, (), 8, True, ()))
+    differ = 0
+    for case in cases:
+        ref, got = _compile_both(*case, quick_macs=quick_macs)
+        assert got == ref, case
+        differ += ref != _compile_both(*case, quick_macs=0 if quick_macs else 1 << 60)[0]
+    assert differ > len(cases) // 10  # the threshold changes programs: the comparison sees both rules
+
+
+def test_compiled_layouts_do_not_depend_on_labels():
+    """A layout is a pure function of its step: two networks that differ only in their mode
+    labels compile to the same program (searched and quick layouts), and slicing a mode gives
+    another program."""
     from torch_gradops.tensornet import compiler
     from torch_gradops.testing import lattice_network
     import opt_einsum
-    monkeypatch.setattr(compiler, "QUICK_MACS", quick_macs)
     inputs, output, arrays = lattice_network(3, 4, 3, seed=1)
     sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
     path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
-    compiler._canonical_layout.cache_clear()
-    cold = compiler.compile_program(inputs, output, sizes, path, (), 8, False)
-    if quick_macs == 0:
-        assert compiler._canonical_layout.cache_info().currsize > 0  # filled
-    warm = compiler.compile_program(inputs, output, sizes, path, (), 8, False)
-    assert fmt.encode(warm[0]) == fmt.encode(cold[0]) and warm[1] == cold[1]
-    shift = {m: 1000 - 7 * m for m in sizes}  # other labels, another order of their values
-    relabelled = compiler.compile_program([[shift[m] for m in t] for t in inputs], [shift[m] for m in output],
-                                          {shift[m]: e for m, e in sizes.items()}, path, (), 8, False)
-    assert fmt.encode(relabelled[0]) == fmt.encode(cold[0])
-    # the same network with a mode sliced: a different program, still one per canonical step
-    sliced = compiler.compile_program(inputs, output, sizes, path, (inputs[0][0],), 8, False)
-    assert fmt.encode(sliced[0]) != fmt.encode(cold[0])
+    for quick_macs in (0, 1 << 14):
+        prog = compiler.compile_program(inputs, output, sizes, path, (), 8, False, quick_macs=quick_macs)
+        shift = {m: 1000 - 7 * m for m in sizes}  # other labels, another order of their values
+        relabelled = compiler.compile_program([[shift[m] for m in t] for t in inputs], [shift[m] for m in output],
+                                              {shift[m]: e for m, e in sizes.items()}, path, (), 8, False,
+                                              quick_macs=quick_macs)
+        assert relabelled == prog
+        named = {m: f"mode{m}" for m in sizes}  # labels that are not ints
+        assert compiler.compile_program([[named[m] for m in t] for t in inputs], [named[m] for m in output],
+                                        {named[m]: e for m, e in sizes.items()}, path, (), 8, False,
+                                        quick_macs=quick_macs) == prog
+        sliced = compiler.compile_program(inputs, output, sizes, path, (inputs[0][0],), 8, False,
+                                          quick_macs=quick_macs)
+        assert sliced[0] != prog[0]
+
+
+def test_compiler_refuses_malformed_paths():
+    from torch_gradops.tensornet import compiler
+    inputs, output, sizes = [[0, 1], [1, 2], [2, 3]], [0, 3], {0: 2, 1: 3, 2: 4, 3: 5}
+    for path, match in (([(0, 1)], "leaves 2 tensors"), ([(0, 3), (0, 1)], "does not name two"),
+                        ([(1, 1), (0, 1)], "does not name two"), ([(0, 1), (0, 1), (0, 1)], "does not name two")):
+        with pytest.raises(ValueError, match=match):
+            compiler.compile_program(inputs, output, sizes, path, ())
+    program, steps = compiler.compile_program(inputs, output, sizes, [(0, 1), (0, 1)], ())
+    assert len(steps) == 2 and fmt.decode(program).out_shape == (2, 5)
 
 
 @pytest.mark.parametrize("quick_macs", [0, 1 << 40], ids=["full_search", "all_quick"])
@@ -112,7 +179,6 @@ def test_quick_layouts_are_valid_and_chosen_by_total_work(monkeypatch, quick_mac
     the threshold counts slices: the same small network sliced many times is searched in full."""
     from torch_gradops.tensornet import compiler
     monkeypatch.setattr(compiler, "QUICK_MACS", quick_macs)
-    compiler._canonical_layout.cache_clear()
     tn.clear_plan_cache()
     inputs, output, arrays = circuit_amplitude_network(3, 3, 6, seed=2)
     arrays = [a.to(torch.complex128).requires_grad_() for a in arrays]
@@ -125,24 +191,16 @@ def test_quick_layouts_are_valid_and_chosen_by_total_work(monkeypatch, quick_mac
         torch.testing.assert_close(value, ref.detach(), rtol=1e-10, atol=1e-12)
         for g, r in zip(grads, ref_grads):
             torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
-    compiler._canonical_layout.cache_clear()
     tn.clear_plan_cache()
-    calls = []
-    for name in ("_gemm_layout", "_quick_layout"):
-        real = getattr(compiler, name)
-
-        def spy(*a, _real=real, _quick=name == "_quick_layout"):
-            calls.append(_quick)
-            return _real(*a)
-        monkeypatch.setattr(compiler, name, spy)
     monkeypatch.setattr(compiler, "QUICK_MACS", 1 << 14)
     sizes = {m: a.shape[d] for t, a in zip(inputs, arrays) for d, m in enumerate(t)}
     import opt_einsum
     path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
-    compiler.compile_program(inputs, output, sizes, path, (), 16, True)
-    assert len(calls) == len(path) and all(calls)  # a tiny network: every step quick
-    big = [m for m in sizes if sizes[m] > 1][:14]  # slicing multiplies each step's runs
-    calls.clear()
-    compiler._canonical_layout.cache_clear()
-    compiler.compile_program(inputs, output, sizes, path, tuple(big), 16, True)
-    assert calls and not any(calls)
+
+    def program(sliced, quick_macs=None):
+        return compiler.compile_program(inputs, output, sizes, path, sliced, 16, True, quick_macs=quick_macs)[0]
+    # a tiny network: every step quick (the default threshold gives the all-quick program, which
+    # differs from the searched one)
+    assert program(()) == program((), 1 << 60) != program((), 0)
+    big = tuple(m for m in sizes if sizes[m] > 1)[:14]  # slicing multiplies each step's runs
+    assert program(big) == program(big, 0) != program(big, 1 << 60)

@@ -13,7 +13,6 @@ from ..library import check_backend
 from .._units import format_bytes
 from . import autograd, parser, paths, slicer
 from .compiler import compile_program
-from .program import encode
 
 __all__ = ["ContractionPlan", "build_plan", "PlanCache", "PLANS"]
 
@@ -78,9 +77,8 @@ class ContractionPlan:
         steps = slicer.step_table(network.inputs, network.output, self.path)
         costs = slicer.step_costs(steps, sizes, sliced)
         self.checkpoints = tuple(checkpoints)
-        prog, gemms = compile_program(network.inputs, network.output, sizes, self.path, self.sliced_ids, itemsize,
-                                      dtype.is_complex, self.checkpoints)
-        self.program = encode(prog)
+        self.program, gemms = compile_program(network.inputs, network.output, sizes, self.path, self.sliced_ids,
+                                              itemsize, dtype.is_complex, self.checkpoints)
         copies = [(g[3], g[4]) for g in gemms] if copies is None else copies
         self.modelled_peak = int(slicer.memory_model(costs, self.checkpoints, copies, dtype.is_complex) * itemsize)
         scale = 2 * (4 if dtype.is_complex else 1)
