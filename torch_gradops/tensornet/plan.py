@@ -72,7 +72,7 @@ class ContractionPlan:
         self.slice_extents = self.slice_set.extents
         self.num_slices = self.slice_set.count
         self.output_shape = tuple(sizes[m] for m in network.output)
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        itemsize = dtype.itemsize
         self.itemsize = itemsize
         steps = slicer.step_table(network.inputs, network.output, self.path)
         costs = slicer.step_costs(steps, sizes, sliced)
@@ -452,7 +452,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     t0 = time.perf_counter()
     terms, out, sizes, broadcast = parser.normalize_labels(terms, output, shapes)
     network = parser.network_of(terms, out, sizes, broadcast)
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = dtype.itemsize
     limit = slicer.parse_memory_limit(memory_limit, device if device is not None else device_type)
     limit_elems = None if limit is None else limit // itemsize
     if limit_elems == 0:
