@@ -47,8 +47,8 @@ QUICK_MACS = 1 << 14
 def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=False, checkpoints=(),
                     quick_macs=None) -> Tuple[Tuple[int, ...], List[tuple]]:
     """``(program, steps)``: the encoded program (:func:`~.program.encode`'s format) of ``path``
-    over the network ``inputs -> output`` (integer mode ids, extents ``sizes``: a dict or a
-    sequence indexed by mode id) with the ``sliced`` modes selected and a CHECKPOINT before each
+    over the network ``inputs -> output`` (mode ids: the planner's ``0 .. n-1``, other hashable
+    labels are renumbered; extents ``sizes``: a dict, or a sequence indexed by id) with the ``sliced`` modes selected and a CHECKPOINT before each
     step in ``checkpoints``; and per step, for one slice: (multiply-adds, result elements, GEMM
     operand elements, the steps whose results it copies into GEMM layout, whether its result
     is copied by the step that reads it) -- the last two for the memory model
