@@ -1,5 +1,7 @@
 """The contraction program format: Python (tensornet/program.py) and C++ (csrc/contract_program.h)
-stay in step. Programs encoded in Python decode and re-encode unchanged on both sides."""
+stay in step. Programs encoded in Python decode and re-encode unchanged on both sides. The C++
+compiler (csrc/contract_compiler.cpp) gives the programs of its plain-Python reference
+(tests/compiler_reference.py)."""
 import random
 
 import pytest
@@ -80,12 +82,13 @@ def test_malformed_programs_are_refused_on_both_sides():
 
 def _random_networks(n, seed):
     """``n`` random networks (mode ids, sizes, an opt_einsum path, a slicing): hyperedges, batch
-    and output modes, extents of 1, up to 7 operands."""
+    and output modes, extents of 1 (and a few of 0), up to 7 operands."""
     import opt_einsum
     rng = random.Random(seed)
     for _ in range(n):
         n_modes = rng.randint(3, 12)
-        sizes = {m: rng.choice([1, 2, 3, 4, 5, 8]) for m in range(n_modes)}
+        extents = [0, 1, 2, 3, 4, 5, 8] if rng.random() < 0.05 else [1, 2, 3, 4, 5, 8]
+        sizes = {m: rng.choice(extents) for m in range(n_modes)}
         inputs = [rng.sample(range(n_modes), rng.randint(1, min(5, n_modes))) for _ in range(rng.randint(2, 7))]
         used = sorted({m for t in inputs for m in t})
         output = rng.sample(used, rng.randint(0, min(3, len(used))))

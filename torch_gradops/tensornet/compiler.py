@@ -48,13 +48,13 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
                     quick_macs=None) -> Tuple[Tuple[int, ...], List[tuple]]:
     """``(program, steps)``: the encoded program (:func:`~.program.encode`'s format) of ``path``
     over the network ``inputs -> output`` (mode ids: the planner's ``0 .. n-1``, other hashable
-    labels are renumbered; extents ``sizes``: a dict, or a sequence indexed by id) with the ``sliced`` modes selected and a CHECKPOINT before each
-    step in ``checkpoints``; and per step, for one slice: (multiply-adds, result elements, GEMM
-    operand elements, the steps whose results it copies into GEMM layout, whether its result
-    is copied by the step that reads it) -- the last two for the memory model
-    (:func:`~.slicer.memory_model`). ``quick_macs``: the threshold of the quick layouts
-    (default :data:`QUICK_MACS`). A path that does not contract every operand into one raises
-    ValueError."""
+    labels are renumbered; extents ``sizes``: a dict, or a sequence indexed by id) with the
+    ``sliced`` modes selected and a CHECKPOINT before each step in ``checkpoints``; and per step,
+    for one slice: (multiply-adds, result elements, GEMM operand elements, the steps whose
+    results it copies into GEMM layout, whether its result is copied by the step that reads it)
+    -- the last two for the memory model (:func:`~.slicer.memory_model`). ``quick_macs``: the
+    threshold of the quick layouts (default :data:`QUICK_MACS`). A path that does not contract
+    every operand into one raises ValueError."""
     if isinstance(sizes, dict):
         if not all(isinstance(m, int) and 0 <= m < 4 * len(sizes) + 64 for m in sizes):
             ids = {m: i for i, m in enumerate(sizes)}  # other labels: renumber them
