@@ -1086,6 +1086,10 @@ def test_validation_errors():
         tn.contract("ab,bcd->ad", a, b)
     with pytest.raises(ValueError, match="mode 'b' has extent 4 in operand 1 but extent 3"):
         tn.contract("ab,cb->ac", a, b)
+    with pytest.raises(ValueError, match="mode 'b' has extent 4 in operand 2 but extent 3 in operand 0"):
+        tn.contract("ab,bc,db->a", a, b, torch.randn(5, 4))  # terms without '...' take a faster path: same checks
+    with pytest.raises(ValueError, match="mode 'b' has extent 4 in operand 1 but extent 3 in operand 0"):
+        tn.contract("...ab,...cb->", a, b)
     with pytest.raises(ValueError, match="more than one '->'"):
         tn.contract("ab,bc->ac->a", a, b)
     with pytest.raises(ValueError, match="output mode 'z' does not appear"):

@@ -163,13 +163,9 @@ def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Ten
 
 
 # ---------------------------------------------------------------------------- labels
-def normalize_labels(terms, output, shapes):
-    """Expand ``...`` into per-dimension labels and check ranks and extents.
-
-    Returns ``(terms, output, sizes, broadcast)``: terms/output as lists of labels,
-    ``sizes[label]`` the extent, ``broadcast`` per operand the dims that are broadcast
-    (extent 1 against a larger extent of the same ``...`` dimension).
-    """
+def _ellipsis_labels(terms, shapes):
+    """:func:`normalize_labels`' first half for terms with ``...``: ``(terms, sizes, broadcast,
+    number of '...' dimensions)``."""
     n_ell = 0
     for i, (term, shape) in enumerate(zip(terms, shapes)):
         named = sum(1 for x in term if x is not Ellipsis)
@@ -215,6 +211,42 @@ def normalize_labels(terms, output, shapes):
     # Labels that only occur broadcast still need an extent (1).
     for p in range(n_ell):
         sizes.setdefault(EllipsisDim(p), ell_sizes[p])
+    return out_terms, sizes, broadcast, n_ell
+
+
+def _mismatch(lab, ext, i, sizes, terms) -> ValueError:
+    first = next(j for j, t in enumerate(terms) if lab in t)
+    return ValueError(f"mode {label_str(lab)!r} has extent {ext} in operand {i} but extent "
+                      f"{sizes[lab]} in operand {first}")
+
+
+def _plain_labels(terms, shapes):
+    """:func:`_ellipsis_labels` for terms without ``...`` (the common case, a few times faster)."""
+    sizes: Dict[Any, int] = {}
+    out_terms = []
+    for i, (term, shape) in enumerate(zip(terms, shapes)):
+        if len(shape) != len(term):
+            raise ValueError(f"operand {i} has {len(shape)} dimension(s) (shape {tuple(shape)}) but its term "
+                             f"{''.join(label_str(x) for x in term)!r} names {len(term)}")
+        labels = list(term)
+        for lab, ext in zip(labels, shape):
+            if sizes.setdefault(lab, ext) != ext:
+                raise _mismatch(lab, int(ext), i, sizes, terms)
+        out_terms.append(labels)
+    return out_terms, {lab: int(e) for lab, e in sizes.items()}, [[] for _ in terms], 0
+
+
+def normalize_labels(terms, output, shapes):
+    """Expand ``...`` into per-dimension labels and check ranks and extents.
+
+    Returns ``(terms, output, sizes, broadcast)``: terms/output as lists of labels,
+    ``sizes[label]`` the extent, ``broadcast`` per operand the dims that are broadcast
+    (extent 1 against a larger extent of the same ``...`` dimension).
+    """
+    if not any(x is Ellipsis for term in terms for x in term):
+        out_terms, sizes, broadcast, n_ell = _plain_labels(terms, shapes)
+    else:
+        out_terms, sizes, broadcast, n_ell = _ellipsis_labels(terms, shapes)
     counts: Dict[Any, int] = {}
     for labels in out_terms:
         for lab in labels:
