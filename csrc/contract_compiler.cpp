@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/safe_numerics.h>
+
 #include "contract_program.h"
 
 namespace torch_gradops {
@@ -24,7 +26,7 @@ using Modes = std::vector<int64_t>;
 // Product of extents, refusing what int64 cannot hold (Python's ints never overflowed here).
 int64_t checked_mul(int64_t a, int64_t b) {
   int64_t r;
-  if (__builtin_mul_overflow(a, b, &r)) throw std::overflow_error("contraction compiler: a size exceeds int64");
+  if (c10::mul_overflows(a, b, &r)) throw std::overflow_error("contraction compiler: a size exceeds int64");
   return r;
 }
 
@@ -541,9 +543,11 @@ CompiledProgram compile_contract_program(const std::vector<std::vector<int64_t>>
     Modes all = A.modes;
     for (int64_t m : B.modes)
       if (std::find(all.begin(), all.end(), m) == all.end()) all.push_back(m);
-    const __int128 work = static_cast<__int128>(C.prod(all)) * nslices;
+    // macs * nslices < quick_macs, without overflow
+    const int64_t macs = C.prod(all);
+    const bool quick = quick_macs > 0 && (nslices == 0 || macs <= (quick_macs - 1) / nslices);
     const Consumer& cons = consumer[nslot];
-    const Layout L = work < quick_macs ? quick_layout(C, A, B, group, cons, kept) : gemm_layout(C, A, B, group, cons, kept);
+    const Layout L = quick ? quick_layout(C, A, B, group, cons, kept) : gemm_layout(C, A, B, group, cons, kept);
     // X enters bmm as [Bt,M,K] (stored [Bt,K,M] if tx), Y as [Bt,K,N] (stored [Bt,N,K] if ty)
     const int64_t sx = L.swap ? sb : sa, sy = L.swap ? sa : sb;
     const Modes& mx = lay[sx].modes;
