@@ -1,8 +1,8 @@
 // The contraction compiler: lowers a path over a network (and the modes it slices) to a
 // contraction program (contract_program.h), choosing each pairwise step's GEMM layout.
 //
-// This is host code, called once per plan from torch_gradops/tensornet/compiler.py; it was
-// Python until planning a circuit of a few hundred tensors spent a third of its time here. The
+// Host code, called once per plan from torch_gradops/tensornet/compiler.py: in C++ because in
+// Python it took a third of the planning time of a circuit of a few hundred tensors. The
 // rules (which operand enters bmm as a view, which is copied and in what order, which side of
 // the result comes first) are documented in compiler.py and must stay deterministic: for equal
 // estimated costs the first candidate in the order written here wins.
