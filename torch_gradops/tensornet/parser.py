@@ -163,6 +163,19 @@ def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Ten
 
 
 # ---------------------------------------------------------------------------- labels
+def _rank_error(i, term, shape, named) -> ValueError:
+    return ValueError(f"operand {i} has {len(shape)} dimension(s) (shape {tuple(shape)}) but its term "
+                      f"{''.join('...' if x is Ellipsis else label_str(x) for x in term)!r} names {named}")
+
+
+def _mismatch(lab, ext, i, sizes, terms) -> ValueError:
+    """The error for mode ``lab`` of extent ``ext`` in operand ``i`` against ``sizes[lab]``,
+    naming the first operand with that mode."""
+    first = next(j for j, t in enumerate(terms) if lab in t)
+    return ValueError(f"mode {label_str(lab)!r} has extent {ext} in operand {i} but extent "
+                      f"{sizes[lab]} in operand {first}")
+
+
 def _ellipsis_labels(terms, shapes):
     """:func:`normalize_labels`' first half for terms with ``...``: ``(terms, sizes, broadcast,
     number of '...' dimensions)``."""
@@ -171,8 +184,7 @@ def _ellipsis_labels(terms, shapes):
         named = sum(1 for x in term if x is not Ellipsis)
         has_ell = any(x is Ellipsis for x in term)
         if (len(shape) < named) if has_ell else (len(shape) != named):
-            raise ValueError(f"operand {i} has {len(shape)} dimension(s) (shape {tuple(shape)}) but its term "
-                             f"{''.join('...' if x is Ellipsis else label_str(x) for x in term)!r} names {named}")
+            raise _rank_error(i, term, shape, named)
         if has_ell:
             n_ell = max(n_ell, len(shape) - named)
     ell_sizes = [1] * n_ell
@@ -193,7 +205,6 @@ def _ellipsis_labels(terms, shapes):
                 ell_sizes[lab.p] = ext
         out_terms.append(labels)
     sizes: Dict[Any, int] = {}
-    first: Dict[Any, int] = {}
     broadcast = []
     for i, (labels, shape) in enumerate(zip(out_terms, shapes)):
         bc = []
@@ -202,22 +213,13 @@ def _ellipsis_labels(terms, shapes):
             if isinstance(lab, EllipsisDim) and ext == 1 and ell_sizes[lab.p] != 1:
                 bc.append(d)
                 continue
-            if lab in sizes and sizes[lab] != ext:
-                raise ValueError(f"mode {label_str(lab)!r} has extent {ext} in operand {i} but extent "
-                                 f"{sizes[lab]} in operand {first[lab]}")
-            sizes.setdefault(lab, ext)
-            first.setdefault(lab, i)
+            if sizes.setdefault(lab, ext) != ext:
+                raise _mismatch(lab, ext, i, sizes, terms)
         broadcast.append(bc)
     # Labels that only occur broadcast still need an extent (1).
     for p in range(n_ell):
         sizes.setdefault(EllipsisDim(p), ell_sizes[p])
     return out_terms, sizes, broadcast, n_ell
-
-
-def _mismatch(lab, ext, i, sizes, terms) -> ValueError:
-    first = next(j for j, t in enumerate(terms) if lab in t)
-    return ValueError(f"mode {label_str(lab)!r} has extent {ext} in operand {i} but extent "
-                      f"{sizes[lab]} in operand {first}")
 
 
 def _plain_labels(terms, shapes):
@@ -226,8 +228,7 @@ def _plain_labels(terms, shapes):
     out_terms = []
     for i, (term, shape) in enumerate(zip(terms, shapes)):
         if len(shape) != len(term):
-            raise ValueError(f"operand {i} has {len(shape)} dimension(s) (shape {tuple(shape)}) but its term "
-                             f"{''.join(label_str(x) for x in term)!r} names {len(term)}")
+            raise _rank_error(i, term, shape, len(term))
         labels = list(term)
         for lab, ext in zip(labels, shape):
             if sizes.setdefault(lab, ext) != ext:
