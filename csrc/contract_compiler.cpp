@@ -30,6 +30,13 @@ int64_t checked_mul(int64_t a, int64_t b) {
   return r;
 }
 
+// The modes of `a`, then of each further list.
+template <typename... More>
+Modes cat(Modes a, const More&... more) {
+  (a.insert(a.end(), more.begin(), more.end()), ...);
+  return a;
+}
+
 struct Compiler {
   const std::vector<int64_t>& sizes;  // extent per mode id
   int64_t itemsize;
@@ -75,6 +82,7 @@ struct Slot {
 // The modes of one GEMM operand by group: batch, contracted, free.
 struct Orders {
   Modes b, k, f;
+  Modes& of(char g) { return g == 'b' ? b : g == 'k' ? k : f; }
   bool operator==(const Orders& o) const { return b == o.b && k == o.k && f == o.f; }
 };
 
@@ -122,10 +130,10 @@ std::optional<View> view_orders(const Compiler& C, const Slot& s, const GroupOf&
   View v;
   for (const auto& [m, st] : seq) {
     (void)st;
-    (group[m] == 'b' ? v.orders.b : group[m] == 'k' ? v.orders.k : v.orders.f).push_back(m);
+    v.orders.of(group[m]).push_back(m);
   }
   for (int64_t m : s.modes)
-    if (C.size(m) <= 1) (group[m] == 'b' ? v.orders.b : group[m] == 'k' ? v.orders.k : v.orders.f).push_back(m);
+    if (C.size(m) <= 1) v.orders.of(group[m]).push_back(m);
   char first_rest = 0;
   for (char g : blocks)
     if (g != 'b') {
@@ -208,12 +216,15 @@ struct Layout {
   Side a, b;
 };
 
+// An operand that enters bmm as the view `v`, uncopied.
+Side view_side(const View& v) { return Side{false, v.orders, v.contr_first}; }
+
 // _quick_layout: for steps too small to be worth the search.
 Layout quick_layout(const Compiler& C, const Slot& sa, const Slot& sb, const GroupOf& group, const Consumer& cons,
                     const Modes& kept) {
   std::optional<View> va = view_orders(C, sa, group), vb = view_orders(C, sb, group);
   if (va && vb) {
-    if (views_agree(C, *va, *vb)) return {false, {false, va->orders, va->contr_first}, {false, vb->orders, vb->contr_first}};
+    if (views_agree(C, *va, *vb)) return {false, view_side(*va), view_side(*vb)};
     vb.reset();  // they disagree: copy b
   }
   Modes b, k;
@@ -235,8 +246,7 @@ Layout quick_layout(const Compiler& C, const Slot& sa, const Slot& sb, const Gro
     return Side{true, {b, k, sorted_by(free, rank)}, contr_first};
   };
   // a copied a is stored [batch, free, contracted], a copied b [batch, contracted, free]
-  return {false, va ? Side{false, va->orders, va->contr_first} : copy(sa, false),
-          vb ? Side{false, vb->orders, vb->contr_first} : copy(sb, true)};
+  return {false, va ? view_side(*va) : copy(sa, false), vb ? view_side(*vb) : copy(sb, true)};
 }
 
 // _gemm_layout: the searched layout (see compiler.py for the rules and the cost model).
@@ -247,10 +257,7 @@ Layout gemm_layout(const Compiler& C, const Slot& sa, const Slot& sb, const Grou
   for (int64_t m : sa.modes) (group[m] == 'b' ? batch : group[m] == 'k' ? contr : left).push_back(m);
   for (int64_t m : sb.modes)
     if (group[m] == 'f') right.push_back(m);
-  Modes blr = batch;
-  blr.insert(blr.end(), left.begin(), left.end());
-  blr.insert(blr.end(), right.begin(), right.end());
-  const int64_t size_c = C.prod(blr), size_l = C.prod(left), size_r = C.prod(right);
+  const int64_t size_c = C.prod(cat(batch, left, right)), size_l = C.prod(left), size_r = C.prod(right);
   const int64_t macs = checked_mul(size_c, C.prod(contr));
   const double narrow = static_cast<double>(macs) * (C.is_complex ? 0.05 : 1.0);
   std::vector<Rank> keys{consumer_rank(cons, kept, "bkfs")};
@@ -258,12 +265,7 @@ Layout gemm_layout(const Compiler& C, const Slot& sa, const Slot& sb, const Grou
 
   auto copied = [&](const Slot& s, const Modes& b, const Modes& k, const Modes& f) {
     // the cheaper stored order of a copied operand: [b, f, k] unless [b, k, f] costs less
-    Modes o1 = b, o2 = b;
-    o1.insert(o1.end(), f.begin(), f.end());
-    o1.insert(o1.end(), k.begin(), k.end());
-    o2.insert(o2.end(), k.begin(), k.end());
-    o2.insert(o2.end(), f.begin(), f.end());
-    const double c1 = copy_cost(C, s, o1), c2 = copy_cost(C, s, o2);
+    const double c1 = copy_cost(C, s, cat(b, f, k)), c2 = copy_cost(C, s, cat(b, k, f));
     const bool cf = c2 < c1;
     return std::make_pair(cf ? c2 : c1, Side{true, {b, k, f}, cf});
   };
@@ -312,23 +314,19 @@ Layout gemm_layout(const Compiler& C, const Slot& sa, const Slot& sb, const Grou
           if (copy_a) {
             for (const Modes& f : orders(left)) opts_a.push_back(copied(sa, b_ord, k_ord, f));
           } else {
-            opts_a.emplace_back(0.0, Side{false, va->orders, va->contr_first});
+            opts_a.emplace_back(0.0, view_side(*va));
           }
           if (copy_b) {
             for (const Modes& f : orders(right)) opts_b.push_back(copied(sb, b_ord, k_ord, f));
           } else {
-            opts_b.emplace_back(0.0, Side{false, vb->orders, vb->contr_first});
+            opts_b.emplace_back(0.0, view_side(*vb));
           }
           for (const auto& [cost_a, oa] : opts_a) {
             for (const auto& [cost_b, ob] : opts_b) {
               for (int swap = 0; swap <= 1; ++swap) {
                 const Orders& x = swap ? ob.orders : oa.orders;
-                Modes cm = x.b;
-                const Modes& f1 = swap ? ob.orders.f : oa.orders.f;
-                const Modes& f2 = swap ? oa.orders.f : ob.orders.f;
-                cm.insert(cm.end(), f1.begin(), f1.end());
-                cm.insert(cm.end(), f2.begin(), f2.end());
-                const bool fits = result_fits(C, cm, cons, kept);
+                const Orders& y = swap ? oa.orders : ob.orders;
+                const bool fits = result_fits(C, cat(x.b, x.f, y.f), cons, kept);
                 const int64_t cols = swap ? size_l : size_r, rows = swap ? size_r : size_l;
                 const double cost = cost_a + cost_b + (fits ? 0.0 : 2.0 * static_cast<double>(size_c)) +
                                     (cols < 16 && rows > cols ? narrow : 0.0);
@@ -560,17 +558,13 @@ CompiledProgram compile_contract_program(const std::vector<std::vector<int64_t>>
     };
     Instr in;
     in.op = kContract, in.a = sx, in.b = sy, in.c = nslot;
-    for (const Modes* g : tx ? std::array<const Modes*, 3>{&X.orders.b, &X.orders.k, &X.orders.f}
-                             : std::array<const Modes*, 3>{&X.orders.b, &X.orders.f, &X.orders.k})
-      for (int64_t m : *g) in.perm_a.push_back(dim_of(mx, m));
-    for (const Modes* g : ty ? std::array<const Modes*, 3>{&Y.orders.b, &Y.orders.f, &Y.orders.k}
-                             : std::array<const Modes*, 3>{&Y.orders.b, &Y.orders.k, &Y.orders.f})
-      for (int64_t m : *g) in.perm_b.push_back(dim_of(my, m));
+    const Orders& ox = X.orders;
+    const Orders& oy = Y.orders;
+    for (int64_t m : tx ? cat(ox.b, ox.k, ox.f) : cat(ox.b, ox.f, ox.k)) in.perm_a.push_back(dim_of(mx, m));
+    for (int64_t m : ty ? cat(oy.b, oy.f, oy.k) : cat(oy.b, oy.k, oy.f)) in.perm_b.push_back(dim_of(my, m));
     in.ta = tx, in.tb = ty;
     in.bt = C.prod(X.orders.b), in.m = C.prod(X.orders.f), in.kk = C.prod(X.orders.k), in.n = C.prod(Y.orders.f);
-    Modes cm = X.orders.b;
-    cm.insert(cm.end(), X.orders.f.begin(), X.orders.f.end());
-    cm.insert(cm.end(), Y.orders.f.begin(), Y.orders.f.end());
+    Modes cm = cat(X.orders.b, X.orders.f, Y.orders.f);
     for (int64_t m : cm) in.shape_c.push_back(C.size(m));
     CompiledStep st;
     st.macs = checked_mul(checked_mul(checked_mul(in.bt, in.m), in.kk), in.n);
