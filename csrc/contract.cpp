@@ -187,10 +187,51 @@ void check_operands(at::TensorList operands) {
   }
 }
 
-at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3) {
+}  // namespace
+}  // namespace torch_gradops
+
+// MKL's C entry point for the calling thread's BLAS thread count (the one ATen's set_num_threads
+// sets). Weak: with a torch built without MKL it stays null and every GEMM keeps ATen's threading.
+#if defined(__linux__)
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+#else
+static int (*const MKL_Set_Num_Threads_Local)(int) = nullptr;
+#endif
+
+namespace torch_gradops {
+namespace {
+
+// GEMMs below this many real multiply-adds run on the calling thread. MKL opens an OpenMP team
+// for every call, and waking its sleeping workers (OMP_WAIT_POLICY=PASSIVE, or after their spin
+// time) costs about 0.1 ms on a 2-core VM: more than such a GEMM takes on one core (2^20
+// multiply-adds: 20-40 us). Measured there, 6x6 lattice at 1 MiB (8 slices, 1,000 GEMMs per
+// forward+backward): 190 -> 137 ms under PASSIVE, 72-75 ms either way under the default policy.
+constexpr double kSerialGemmMacs = 1 << 20;
+
+// One BLAS thread for the calling thread while it lives, when `on`.
+class SerialBlas {
+ public:
+  explicit SerialBlas(bool on) : on_(on && MKL_Set_Num_Threads_Local != nullptr) {
+    if (on_) prev_ = MKL_Set_Num_Threads_Local(1);
+  }
+  ~SerialBlas() {
+    if (on_) MKL_Set_Num_Threads_Local(prev_);  // 0, "no local setting", restores the global one
+  }
+  SerialBlas(const SerialBlas&) = delete;
+  SerialBlas& operator=(const SerialBlas&) = delete;
+
+ private:
+  bool on_;
+  int prev_ = 0;
+};
+
+// C = A B for [Bt,M,K] x [Bt,K,N], into `into` when given.
+at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into = nullptr) {
   // Always bmm, even for one batch: for tiny products ATen's CPU bmm uses its own loop, where
   // mm would call BLAS, whose thread start-up dominates small GEMMs.
-  return at::bmm(a3, b3);
+  const double macs = static_cast<double>(a3.numel()) * b3.size(2) * (a3.is_complex() ? 4 : 1);
+  SerialBlas serial(a3.device().is_cpu() && macs < kSerialGemmMacs);
+  return into ? at::bmm_out(*into, a3, b3) : at::bmm(a3, b3);
 }
 
 // The GEMM operands as stored ([Bt,M,K] or, transposed, [Bt,K,M]; [Bt,K,N] or [Bt,N,K]) and as
@@ -432,13 +473,13 @@ void contract_grads(const Instr& in, Saved& s, const at::Tensor& gc3, bool need_
     // [Bt,K,M] when transposed: (dC B^H)^T = conj(B) dC^T
     at::Tensor x = in.ta ? gemm_b(s.b3, in).conj() : gc3;
     at::Tensor y = in.ta ? gc3.transpose(1, 2) : gemm_b(s.b3, in).mH();
-    return into ? at::bmm_out(*into, x, y) : at::bmm(x, y);
+    return matmul3(x, y, into);
   };
   auto grad_b = [&](at::Tensor* into) {
     // [Bt,N,K] when transposed: (A^H dC)^T = dC^T conj(A)
     at::Tensor x = in.tb ? gc3.transpose(1, 2) : gemm_a(s.a3, in).mH();
     at::Tensor y = in.tb ? gemm_a(s.a3, in).conj() : gc3;
-    return into ? at::bmm_out(*into, x, y) : at::bmm(x, y);
+    return matmul3(x, y, into);
   };
   if (need_a && need_b) {
     // The second gradient may overwrite the operand the first one read.

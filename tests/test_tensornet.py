@@ -670,6 +670,39 @@ def test_peak_memory_within_contract():
     assert _peak_bytes(_per_slice_autograd(expr, ops, p, path)) > 4 * peaks[-1]
 
 
+def _mkl_max_threads():
+    """MKL's thread count for the calling thread, or None where torch has no MKL."""
+    import ctypes
+    import os
+    try:
+        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
+    except OSError:
+        return None
+    get = getattr(lib, "MKL_Get_Max_Threads", None)
+    return get() if get is not None and torch.backends.mkl.is_available() else None
+
+
+def test_small_gemms_leave_the_blas_thread_count_as_it_was():
+    """The executor runs GEMMs under 2^20 multiply-adds on one BLAS thread (waking MKL's sleeping
+    workers costs more than they take); the caller's thread count is back afterwards, for
+    real and complex networks, forward and backward."""
+    before_threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        before = _mkl_max_threads()
+        if before is None or before < 2:
+            pytest.skip("needs torch with MKL and 2 BLAS threads")
+        for dtype in (F64, C128):
+            inputs, output, arrays = lattice_network(3, 3, 4, seed=0, dtype=dtype)
+            leaves = [a.clone().requires_grad_(True) for a in arrays]
+            for limit in (None, 256 * 16):
+                p = tn.plan(*interleave(inputs, leaves, output), memory_limit=limit)
+                p.contract(*leaves).real.backward()
+                assert _mkl_max_threads() == before, (dtype, limit)
+    finally:
+        torch.set_num_threads(before_threads)
+
+
 @pytest.mark.parametrize("kind", ["lattice", "circuit"])
 def test_peak_memory_within_contract_on_real_networks(kind):
     """The contract on networks shaped like the benchmarks' (a lattice; a complex circuit
