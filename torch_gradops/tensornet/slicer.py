@@ -189,13 +189,15 @@ def _transients(costs: StepCosts, copies=None, complex_=False) -> List[int]:
     step); in the backward, the gradient of the smaller operand (the larger one is written over
     its own operand), a contiguous copy of the result's gradient when its reader copied the
     result, and for complex dtypes a conjugated copy of one operand."""
-    out = []
-    for j, (ia, ib) in enumerate(costs.inputs):
+    if copies is None:
+        return [a + b if complex_ else min(a, b) for a, b in costs.inputs]
+    result, out = costs.result, []
+    for (ia, ib), (copied_in, copied_out), r in zip(costs.inputs, copies, result):
         t = min(ia, ib)
-        if copies is not None:
-            if copies[j][1]:
-                t += costs.result[j]
-            t = max(t, sum(costs.result[p] for p in copies[j][0]))
+        if copied_out:
+            t += r
+        if copied_in:
+            t = max(t, sum([result[p] for p in copied_in]))
         if complex_:
             t += max(ia, ib)
         out.append(t)
@@ -271,7 +273,7 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     whole = sum(result) + max(trans)  # memory_model without checkpoints: one segment
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0
-    copied_from = [() if copies is None else copies[j][0] for j in range(n)]
+    copied_from = [()] * n if copies is None else [c[0] for c in copies]
     # live[b]: intermediates made before step b and read at or after it (all checkpointed);
     # copied_live[b]: those of them whose reader copies them (the last segment holds the copy)
     live = [0] * (n + 1)
@@ -293,35 +295,47 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         tail_held[b] = tail_held[b + 1] + result[b]
         tail_trans[b] = max(tail_trans[b + 1], trans[b])
     best, prefix_macs = (whole, [], 0), 0
+    # the last b at which the last segment alone fits: the pass need not go past it
+    last = max((b for b in range(1, n) if live[b] + tail_held[b] + tail_trans[b] <= cap), default=0)
     # One greedy pass: the current segment starts at ``lo`` (``starts``: every segment's
     # start), holds ``held`` elements with largest transient ``top`` on top of ``cross``
     # checkpointed elements of the earlier segments, whose peaks were ``prior_peak``.
     # ``out_of``: elements made in [lo, b) and read at or after b (checkpointed at b).
-    starts, lo, cross, prior_peak, held, top, out_of, broken = [0], 0, 0, 0, 0, 0, 0, False
-    for b in range(1, n):
+    starts, lo, cross, prior_peak, held, top, out_of = [0], 0, 0, 0, 0, 0, 0
+    macs, from_step = costs.macs, costs.from_step
+    for b in range(1, last + 1):
         j = b - 1  # the step that joins the current segment, or starts the next
-        prefix_macs += costs.macs[j]
-        add = result[j] + sum(result[p] for p in copied_from[j] if p < lo)
-        if j > lo and cross + held + add + max(top, trans[j]) > cap:  # close segment [lo, j)
+        prefix_macs += macs[j]
+        rj, tj = result[j], trans[j]
+        add = rj
+        for p in copied_from[j]:  # usually none
+            if p < lo:
+                add += result[p]
+        if j > lo and cross + held + add + max(top, tj) > cap:  # close segment [lo, j)
             prior_peak = max(prior_peak, cross + held + top)
             cross += out_of
             lo, held, top, out_of = j, 0, 0, 0
             starts.append(lo)
-            add = result[j] + copied_at[j]  # a segment's first step copies every intermediate it reads
-        held, top = held + add, max(top, trans[j])
+            add = rj + copied_at[j]  # a segment's first step copies every intermediate it reads
+        held += add
+        if tj > top:
+            top = tj
         # step j reads its operands (no longer read after it) and makes a result read later
-        out_of += result[j] - sum(result[p] for p in costs.from_step[j] if p >= lo)
-        broken |= j == lo and cross + held + top > cap  # a step alone does not fit: no later b does
-        if broken or live[b] + tail_held[b] + tail_trans[b] > cap:
+        out_of += rj
+        for p in from_step[j]:
+            if p >= lo:
+                out_of -= result[p]
+        if j == lo and cross + held + top > cap:
+            break  # a step alone does not fit: no later b does
+        if live[b] + tail_held[b] + tail_trans[b] > cap:
             continue  # even with nothing else checkpointed the last segment does not fit
         # checkpoints at the greedy starts before b and at b: segment [lo, b) cut at b
         peak = max(prior_peak, cross + held + top,
                    cross + out_of + tail_held[b] + copied_live[b] + tail_trans[b])
-        bounds = starts[1:] + [b]
         if peak <= cap:
-            return peak, bounds, prefix_macs
+            return peak, starts[1:] + [b], prefix_macs
         if peak < best[0]:
-            best = (peak, bounds, prefix_macs)
+            best = (peak, starts[1:] + [b], prefix_macs)
     if best[1] == [] and n > 1:  # nothing fits: the lowest-peak placement (a checkpoint per step)
         # memory_model with a segment per step: every earlier result is checkpointed
         peak, made = 0, 0
