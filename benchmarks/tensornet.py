@@ -228,6 +228,7 @@ def main():
 
     t_start = time.perf_counter()
     info = machine_info("cpu")
+    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # the timing processes' (_run_sub)
     info["threads"] = THREADS
     print(f"machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}, {info['date']}")
     specs = build_specs(args.quick)

@@ -286,6 +286,7 @@ def main():
     results = []
     # idle OpenMP threads must not spin on shared cores
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+    info["omp_wait_policy"] = env["OMP_WAIT_POLICY"]  # the timing processes', not this one's
     chosen = [(spec, impl) for spec, impl in configs(args.quick, args.only)
               if not args.match or args.match in _name(spec)]
     # The timing processes of one network and limit alternate between the implementations
