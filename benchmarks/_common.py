@@ -15,7 +15,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from torch_gradops.testing import PeakMemory, format_bytes  # noqa: E402  (the one peak-memory measurement)
 
-__all__ = ["PeakMemory", "machine_info", "median_time", "run_worker", "write_json", "format_bytes"]
+__all__ = ["PeakMemory", "machine_info", "matmul_flops_per_s", "median_time", "run_worker", "write_json",
+           "format_bytes"]
 
 
 def machine_info(device: str) -> dict:
@@ -60,6 +61,18 @@ def median_time(fn, device: str, repeats: int, warmup: int = 1) -> float:
             fn()
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def matmul_flops_per_s(device: str, n: int | None = None) -> dict:
+    """FLOP/s of one ``n x n`` matmul (median of 10 after a warm-up; n = 1024 on CPU, 8192 on a
+    GPU) in float32 and complex64 (a complex multiply-add counts 8): the same-run reference the
+    tensor-network benchmarks compare their achieved FLOP/s with."""
+    n = n or (8192 if device.startswith("cuda") else 1024)
+    out = {}
+    for name, dtype, factor in (("float32", torch.float32, 2), ("complex64", torch.complex64, 8)):
+        a, b = torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)
+        out[name] = factor * n ** 3 / median_time(lambda: torch.matmul(a, b), device, repeats=10)
+    return out
 
 
 def run_worker(script: str, args: list[str], timeout: float = 1800, env: dict | None = None,

@@ -26,7 +26,7 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from _common import machine_info, run_worker  # noqa: E402
+from _common import machine_info, matmul_flops_per_s, run_worker  # noqa: E402
 
 from torch_gradops.testing import format_bytes, interleave, peak_allocated_bytes  # noqa: E402
 warnings.filterwarnings("ignore")
@@ -188,13 +188,7 @@ def worker(spec, impl):
 def matmul_worker():
     import torch
     torch.set_num_threads(THREADS)
-    out = {}
-    for name, dtype, factor in (("float32", torch.float32, 2), ("complex64", torch.complex64, 8)):
-        n = 1024
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        t, _ = _median_time(lambda: torch.matmul(a, b), 1.0)
-        out[name] = factor * n ** 3 / t
-    return out
+    return matmul_flops_per_s("cpu", 1024)
 
 
 # ---------------------------------------------------------------------------- driver

@@ -33,8 +33,14 @@ of the forward over all slices (a complex multiply-add counts 8).
     python benchmarks/tensornet_sliced.py                  # everything (about 20-40 minutes)
     python benchmarks/tensornet_sliced.py --only lattice   # or circuit / unsliced
     python benchmarks/tensornet_sliced.py --quick          # small networks (smoke test)
+    python benchmarks/tensornet_sliced.py --device cuda    # on a GPU (the peers too)
 
-Writes benchmarks/results/tensornet_sliced_cpu.json.
+On a GPU the times wait for the device (``torch.cuda.synchronize``), the peak is the growth of
+``torch.cuda.max_memory_allocated`` over one forward + backward, and the results also give the
+achieved FLOP/s (forward FLOPs times 3 for forward + backward, plus ours recomputed) against a
+same-run matmul's (``matmul_flops_per_s`` in the JSON).
+
+Writes benchmarks/results/tensornet_sliced_<cpu|cuda>.json.
 """
 from __future__ import annotations
 
@@ -50,7 +56,7 @@ import warnings
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from _common import machine_info, run_worker, write_json  # noqa: E402
+from _common import machine_info, matmul_flops_per_s, run_worker, write_json  # noqa: E402
 
 warnings.filterwarnings("ignore")
 THREADS = 2
@@ -133,12 +139,18 @@ def _median(fn, reps):
 def worker(spec, impl):
     import torch
     torch.set_num_threads(THREADS)
+    device = torch.device(spec.get("device", "cpu"))
+    if impl == "matmul":
+        print(json.dumps(dict(impl=impl, matmul_flops_per_s=matmul_flops_per_s(str(device)))))
+        return
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     import cotengra as ctg
     import opt_einsum as oe
     from torch_gradops import tensornet as tnet
     from torch_gradops.testing import PeakMemory, einsum_pairwise, interleave
 
     inputs, output, arrays, scale, amp = network(spec)
+    arrays = [a.to(device) for a in arrays]
     limit = spec.get("limit")
     grads_wanted = spec["mode"] == "fwd_bwd"
     leaves = [a.clone().requires_grad_(grads_wanted) for a in arrays]
@@ -194,6 +206,7 @@ def worker(spec, impl):
         out = call()
         if grads_wanted:
             out.real.backward() if is_complex else out.backward()
+        sync()
         return out
 
     t0 = time.perf_counter()
@@ -204,9 +217,12 @@ def worker(spec, impl):
         reps = 1 if res["first_run_s"] >= 5 else max(3, min(20, int(1.0 / max(res["first_run_s"], 1e-3))))
         res["run_s"] = _median(run, reps)
         res["total_s"] = res["plan_s"] + res["run_s"]
+        if "flops" in res:  # forward FLOPs x 3 for forward + backward, plus what ours recomputes
+            work = res["flops"] * (3 if grads_wanted else 1) + (res.get("recompute_flops", 0) if grads_wanted else 0)
+            res["flops_per_s"] = work / res["run_s"]
     # The process's resident-set high-water mark over one more run (the torch profiler's memory
     # events, exact for tensors, grew to gigabytes and minutes over thousands of sliced steps).
-    with PeakMemory("cpu") as mem:
+    with PeakMemory(str(device)) as mem:
         run()
     res["peak_bytes"] = mem.peak_bytes
     value = complex(out.detach()) * scale
@@ -226,7 +242,7 @@ def worker(spec, impl):
 
 
 # ---------------------------------------------------------------------------- driver
-def configs(quick, only):
+def configs(quick, only, device="cpu"):
     lat = [dict(kind="lattice", rows=5, cols=5, bond=16), dict(kind="lattice", rows=6, cols=6, bond=8)]
     circ = [dict(kind="circuit", rows=4, cols=4, depth=10), dict(kind="circuit", rows=4, cols=5, depth=12)]
     if quick:
@@ -237,17 +253,19 @@ def configs(quick, only):
         for net in lat:
             for mib in ((64, 16, 4, 1) if not quick else (1, 0.25)):
                 for impl in ("ours", "cotengra"):
-                    out.append((dict(net, limit=int(mib * MIB), mode="fwd_bwd", check_grads=False), impl))
+                    out.append((dict(net, limit=int(mib * MIB), mode="fwd_bwd", check_grads=False, device=device),
+                                impl))
     if only in (None, "circuit"):
         for net in circ:
             for kib in (1024, 128):
                 for impl in ("ours", "cotengra"):
-                    out.append((dict(net, limit=kib * 1024, mode="fwd_bwd", check_grads=impl == "ours"), impl))
+                    out.append((dict(net, limit=kib * 1024, mode="fwd_bwd", check_grads=impl == "ours",
+                                     device=device), impl))
     if only in (None, "unsliced"):
         for net in circ:
             for mode in ("fwd", "fwd_bwd"):
                 for impl in ("ours", "torch.einsum", "opt_einsum", "cotengra"):
-                    out.append((dict(net, limit=None, mode=mode, check_grads=False), impl))
+                    out.append((dict(net, limit=None, mode=mode, check_grads=False, device=device), impl))
     return out
 
 
@@ -274,20 +292,26 @@ def main():
     ap.add_argument("--only", choices=["lattice", "circuit", "unsliced"])
     ap.add_argument("--match", default=None, help="run only configurations whose name contains this")
     ap.add_argument("--repeat", type=int, default=1, help="timing processes per configuration (the fastest is kept)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tensornet_sliced_cpu.json"))
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (every implementation runs there)")
+    ap.add_argument("--out", default=None, help="default: benchmarks/results/tensornet_sliced_<device>.json")
     args = ap.parse_args()
+    args.out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                        f"tensornet_sliced_{args.device.split(':')[0]}.json")
     if args.worker:
         worker(json.loads(args.worker[0]), args.worker[1])
         return
     import torch
     torch.set_num_threads(THREADS)
     from torch_gradops.testing import format_bytes
-    info = machine_info("cpu")
+    info = machine_info(args.device)
     results = []
     # idle OpenMP threads must not spin on shared cores
     env = {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
     info["omp_wait_policy"] = env["OMP_WAIT_POLICY"]  # the timing processes', not this one's
-    chosen = [(spec, impl) for spec, impl in configs(args.quick, args.only)
+    on_gpu = args.device.startswith("cuda")
+    matmul = run_worker(__file__, [json.dumps(dict(device=args.device)), "matmul"], timeout=600, env=env)
+    info["matmul_flops_per_s"] = matmul.get("matmul_flops_per_s")
+    chosen = [(spec, impl) for spec, impl in configs(args.quick, args.only, args.device)
               if not args.match or args.match in _name(spec)]
     # The timing processes of one network and limit alternate between the implementations
     # (ours, peer, ours, peer, ...), so that a slow spell of this shared VM hits both alike.
@@ -301,7 +325,7 @@ def main():
             if r is None or "error" in r or ("error" not in t and t["total_s"] < r["total_s"]):
                 best[i] = t
     for (spec, impl), r in zip(chosen, best):
-        if "error" not in r:
+        if "error" not in r and not on_gpu:  # on a GPU the timing process's allocator peak is exact
             m = run_worker(__file__, [json.dumps(dict(spec, measure="peak", check_grads=False)), impl], timeout=1800,
                            env={**env, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
             r["peak_bytes_default_malloc"] = r["peak_bytes"]
@@ -320,6 +344,8 @@ def main():
             extra += f" |amp-quimb|/|quimb| {r['rel_err_vs_quimb']:.1e}"
         if "grad_rel_err_vs_opt_einsum" in r:
             extra += f" grad err {r['grad_rel_err_vs_opt_einsum']:.1e}"
+        if "flops_per_s" in r:
+            extra += f" {r['flops_per_s'] / 1e9:.1f} GFLOP/s"
         print(f"{_name(spec):55s} {impl:13s} total {r['total_s']:8.3f} s (plan {r['plan_s']:.3f} s, run "
               f"{r['run_s']:.3f} s) slices {r.get('slices', '-')!s:>6} FLOP {r.get('flops', float('nan')):.3g} "
               f"peak {_bytes(r['peak_bytes'])}{extra}", flush=True)
@@ -345,6 +371,9 @@ def main():
         row = dict(config=_name(spec), ours=ours["total_s"], ours_plan=ours["plan_s"], peer=peer["impl"],
                    peer_total=peer["total_s"], peer_plan=peer["plan_s"], ratio=ratio,
                    slices=(ours.get("slices"), peer.get("slices")), peak=(ours["peak_bytes"], peer["peak_bytes"]))
+        ref = (info.get("matmul_flops_per_s") or {}).get("float32" if spec["kind"] == "lattice" else "complex64")
+        if ref:  # achieved FLOP/s as a fraction of the same run's matmul
+            row["matmul_fraction"] = (ours.get("flops_per_s", 0) / ref, peer.get("flops_per_s", 0) / ref)
         contract = "-"
         if spec["limit"] is not None:
             inputs, output, arrays, _, _ = network(spec)

@@ -13,6 +13,10 @@
 #     bench-gat, bench-gat-bf16, bench-gatv2, bench-conv
 #                the GPU benchmarks (JSON in benchmarks/results/*_cuda*.json): the GAT op at E = 2M,
 #                10M, 50M in float32 and bfloat16, the GATv2 op, GATConv/GATv2Conv against PyG's
+#     bench-tn-lattice, bench-tn-circuit, bench-tn-unsliced
+#                benchmarks/tensornet_sliced.py on the GPU: sliced lattices and circuits against
+#                cotengra + autograd, unsliced circuits against torch.einsum / opt_einsum /
+#                cotengra, with achieved FLOP/s against a same-run matmul
 #
 # Packages the machine lacks (cotengra, autoray, quimb, cytoolz) are taken from wheels in .whl/
 # when present (installed into /tmp/torch_gradops_site on every call, a few seconds). Each stage
@@ -33,9 +37,10 @@ SUMMARY="$LOGDIR/summary.txt"
 [ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
 for s in "$@"; do
   case "$s" in
-    build|smoke|cuda-tests|suite|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv|__sanitize) ;;
+    build|smoke|cuda-tests|suite|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
+    bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced|__sanitize) ;;
     *) echo "unknown stage: $s (build smoke cuda-tests suite sanitize peers bench-gat bench-gat-bf16" \
-            "bench-gatv2 bench-conv)" >&2; exit 2 ;;
+            "bench-gatv2 bench-conv bench-tn-lattice bench-tn-circuit bench-tn-unsliced)" >&2; exit 2 ;;
   esac
 done
 if ls .whl/*.whl >/dev/null 2>&1 && [[ ":${PYTHONPATH:-}:" != *:/tmp/torch_gradops_site:* ]]; then
@@ -101,6 +106,10 @@ for s in "$@"; do
                   --sizes 100000:2000000,500000:10000000 --out benchmarks/results/gat_conv_cuda.json
                 stage bench-conv 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gatv2 --edge-dims 0,16 \
                   --sizes 100000:2000000 --out benchmarks/results/gatv2_conv_cuda.json ;;
+    bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced)
+      which=${s#bench-tn-}
+      stage "$s" 540 "$PY" benchmarks/tensornet_sliced.py --device cuda --only "$which" --repeat 2 \
+        --out "benchmarks/results/tensornet_sliced_${which}_cuda.json" ;;
   esac
 done
 cp benchmarks/results/*cuda*.json "$LOGDIR"/ 2>/dev/null

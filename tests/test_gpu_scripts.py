@@ -49,3 +49,21 @@ def test_gpu_session_refuses_unknown_stages(tmp_path):
 
 def test_gpu_session_is_valid_bash():
     assert _run(["bash", "-n", "scripts/gpu_session.sh"]).returncode == 0
+
+
+def test_tensornet_benchmark_runs_as_the_gpu_stages_call_it(tmp_path):
+    """benchmarks/tensornet_sliced.py with --device (the bench-tn-* stages pass cuda), on one
+    quick configuration: every implementation gives a result, the achieved FLOP/s and the
+    same-run matmul reference."""
+    out = tmp_path / "tn.json"
+    r = _run([sys.executable, "benchmarks/tensornet_sliced.py", "--device", "cpu", "--quick", "--only", "lattice",
+              "--match", "256 KiB", "--out", str(out)])
+    assert r.returncode == 0, r.stdout + r.stderr
+    import json
+    data = json.loads(out.read_text())
+    assert data["machine"]["device"] == "cpu" and data["machine"]["matmul_flops_per_s"]["float32"] > 0
+    assert sorted(x["impl"] for x in data["results"]) == ["cotengra", "ours"]
+    for x in data["results"]:
+        assert "error" not in x, x
+        assert x["spec"]["device"] == "cpu" and x["flops_per_s"] > 0 and x["peak_bytes"] > 0
+    assert len(data["summary"]) == 1 and len(data["summary"][0]["matmul_fraction"]) == 2
