@@ -1,6 +1,7 @@
 """The GPU validation scripts (scripts/cuda_smoke.py, scripts/gpu_session.sh) stay runnable
 where no GPU is: CI never has one, and a lent GPU machine's minutes must not go to a broken
 script."""
+import json
 import os
 import subprocess
 import sys
@@ -59,7 +60,6 @@ def test_tensornet_benchmark_runs_as_the_gpu_stages_call_it(tmp_path):
     r = _run([sys.executable, "benchmarks/tensornet_sliced.py", "--device", "cpu", "--quick", "--only", "lattice",
               "--match", "256 KiB", "--out", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr
-    import json
     data = json.loads(out.read_text())
     assert data["machine"]["device"] == "cpu" and data["machine"]["matmul_flops_per_s"]["float32"] > 0
     assert sorted(x["impl"] for x in data["results"]) == ["cotengra", "ours"]

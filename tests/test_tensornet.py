@@ -1,7 +1,9 @@
 """Tests of torch_gradops.tensornet: values and gradients against torch.einsum, slicing,
 slice groups, double backward, forward AD, plan cache, validation, memory bound, dtypes,
 torch.compile and opcheck."""
+import ctypes
 import math
+import os
 import random
 import string
 
@@ -672,8 +674,6 @@ def test_peak_memory_within_contract():
 
 def _mkl_max_threads():
     """MKL's thread count for the calling thread, or None where torch has no MKL."""
-    import ctypes
-    import os
     try:
         lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so"))
     except OSError:
