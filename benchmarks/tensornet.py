@@ -192,11 +192,14 @@ def matmul_worker():
 
 
 # ---------------------------------------------------------------------------- driver
-def _run_sub(args, timeout=600):
+def _worker_env():
     # Shared 2-core machine: spin-waiting OpenMP workers made timings swing 10x between runs
     # (for every implementation); passive waiting keeps them comparable.
-    return run_worker(os.path.abspath(__file__), args, timeout=timeout, worker_flag=None,
-                      env={"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")})
+    return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+
+
+def _run_sub(args, timeout=600):
+    return run_worker(os.path.abspath(__file__), args, timeout=timeout, worker_flag=None, env=_worker_env())
 
 
 def _fmt_t(s):
@@ -222,7 +225,7 @@ def main():
 
     t_start = time.perf_counter()
     info = machine_info("cpu")
-    info["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY", "PASSIVE")  # the timing processes' (_run_sub)
+    info["omp_wait_policy"] = _worker_env()["OMP_WAIT_POLICY"]  # the timing processes', not this one's
     info["threads"] = THREADS
     print(f"machine: {info['cpu']}, {info['threads']} threads, torch {info['torch']}, {info['date']}")
     specs = build_specs(args.quick)

@@ -373,7 +373,7 @@ def main():
                    slices=(ours.get("slices"), peer.get("slices")), peak=(ours["peak_bytes"], peer["peak_bytes"]))
         ref = (info.get("matmul_flops_per_s") or {}).get("float32" if spec["kind"] == "lattice" else "complex64")
         if ref:  # achieved FLOP/s as a fraction of the same run's matmul
-            row["matmul_fraction"] = (ours.get("flops_per_s", 0) / ref, peer.get("flops_per_s", 0) / ref)
+            row["matmul_fraction"] = tuple(r["flops_per_s"] / ref if "flops_per_s" in r else None for r in (ours, peer))
         contract = "-"
         if spec["limit"] is not None:
             inputs, output, arrays, _, _ = network(spec)
