@@ -205,7 +205,7 @@ namespace {
 // for every call, and waking its sleeping workers (OMP_WAIT_POLICY=PASSIVE, or after their spin
 // time) costs about 0.1 ms on a 2-core VM: more than such a GEMM takes on one core (2^20
 // multiply-adds: 20-40 us). Measured there, 6x6 lattice at 1 MiB (8 slices, 1,000 GEMMs per
-// forward+backward): 190 -> 137 ms under PASSIVE, 72-75 ms either way under the default policy.
+// forward+backward): 180-221 -> 134-139 ms under PASSIVE, 72-77 ms either way under the default policy.
 constexpr double kSerialGemmMacs = 1 << 20;
 
 // One BLAS thread for the calling thread while it lives, when `on`.
