@@ -351,6 +351,14 @@ def test_memory_limit_slices_and_errors():
         tn.plan(expr, *ops, memory_limit=[1])
 
 
+
+def test_repr_of_a_large_network_is_short():
+    inputs, output, arrays = circuit_amplitude_network(3, 3, 8, seed=0)
+    p = tn.plan(*interleave(inputs, arrays, output))
+    text = repr(p)
+    assert len(p.expr) > 400  # the attribute keeps the whole expression
+    assert p.expr not in text and f"({len(inputs)} terms)" in text and p.expr[:100] in text
+
 def test_one_plan_for_forward_and_backward():
     """memory_limit bounds the largest intermediate of one slice, with or without gradients:
     contract() finds the same plan whether or not an operand requires grad, and that plan

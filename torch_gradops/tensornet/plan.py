@@ -194,7 +194,7 @@ class ContractionPlan:
     def __repr__(self):
         li_el, li_b = self.largest_intermediate
         path = self.path if len(self.path) <= 8 else self.path[:8] + ["..."]
-        return (f"ContractionPlan(expr={self.expr!r}, shapes={_short(list(self.shapes))}, dtype={self.dtype}, "
+        return (f"ContractionPlan(expr={_short_expr(self.expr, len(self.inputs))!r}, shapes={_short(list(self.shapes))}, dtype={self.dtype}, "
                 f"device_type={self.device_type!r}, optimizer={self.optimizer!r}, path={path} "
                 f"({len(self.path)} steps), sliced_modes={list(self.sliced_modes)}, num_slices={self.num_slices}, "
                 f"flops={self.flops:.4g} (unsliced {self.unsliced_flops:.4g}), "
@@ -204,6 +204,12 @@ class ContractionPlan:
                 f"memory_limit={None if self.memory_limit is None else format_bytes(self.memory_limit)}, "
                 f"estimated_time={_seconds(self.estimated_seconds(False))} forward, "
                 f"{_seconds(self.estimated_seconds(True))} forward+backward)")
+
+
+def _short_expr(expr: str, n_terms: int, width: int = 120) -> str:
+    """``expr`` cut to about ``width`` characters for the repr (a circuit's interleaved
+    expression runs to kilobytes; ``plan.expr`` keeps all of it)."""
+    return expr if len(expr) <= width else f"{expr[:width]}... ({n_terms} terms)"
 
 
 def _short(shapes):
