@@ -16,6 +16,12 @@
 // each slice's forward and backward in one pass (the value and the gradients under a unit
 // cotangent), saving the recomputation. The planner's memory model of all this is
 // torch_gradops/tensornet/slicer.py's memory_model.
+//
+// The entry points run below autograd and ADInplaceOrView (ExecutorScope): autograd is
+// ContractFunction's, and the view tracking of the executor's own permute/reshape/select/
+// transpose calls (dozens per step and slice, all on tensors it creates or only reads) cost
+// about a quarter of the time of plans of many small steps. The one in-place write the caller
+// can see, into contract_program_accumulate's `grads`, bumps their version counters itself.
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
@@ -225,6 +231,9 @@ class SerialBlas {
   int prev_ = 0;
 };
 
+// Every entry point's ATen calls skip the autograd and ADInplaceOrView kernels (see the top).
+using ExecutorScope = at::AutoDispatchBelowADInplaceOrView;
+
 // C = A B for [Bt,M,K] x [Bt,K,N], into `into` when given.
 at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into = nullptr) {
   // Always bmm, even for one batch: for tiny products ATen's CPU bmm uses its own loop, where
@@ -400,6 +409,7 @@ at::Tensor finish_single(at::Tensor r, at::TensorList operands) {
 
 // Sum over the slice-table rows of the program's result, shape out_shape, dtype of the operands.
 at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at::IntArrayRef slice_table) {
+  ExecutorScope scope;
   check_operands(operands);
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   const int64_t rows = num_rows(P, slice_table);
@@ -434,6 +444,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::Tens
                                                                         at::IntArrayRef program,
                                                                         at::IntArrayRef slice_table,
                                                                         at::IntArrayRef needs_grad) {
+  ExecutorScope scope;
   check_operands(operands);
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   TORCH_CHECK(num_rows(P, slice_table) == 1, "contract_program_cached: runs exactly one slice");
@@ -603,6 +614,13 @@ void accumulate_gradients(const Program& P, at::TensorList operands, at::IntArra
   }
 }
 
+// What ADInplaceOrView does for an in-place op: the caller's buffers were written (under
+// ExecutorScope the executor's add_ does not), so autograd sees that they changed.
+void bump_versions(const std::vector<at::Tensor>& grads, const std::vector<char>& needs) {
+  for (size_t i = 0; i < grads.size(); ++i)
+    if (needs[i]) grads[i].unsafeGetTensorImpl()->bump_version();
+}
+
 std::vector<char> needs_of(const Program& P, at::TensorList grads) {
   TORCH_CHECK(static_cast<int64_t>(grads.size()) == P.n_operands,
               "contract_program_accumulate: grads must have one entry per operand");
@@ -619,6 +637,7 @@ std::vector<char> needs_of(const Program& P, at::TensorList grads) {
 std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::IntArrayRef program,
                                                   at::IntArrayRef slice_table, const at::Tensor& grad_out,
                                                   at::IntArrayRef needs_grad, at::TensorList cached) {
+  ExecutorScope scope;
   check_operands(operands);
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   num_rows(P, slice_table);
@@ -646,6 +665,7 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
 at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef program,
                                        at::IntArrayRef slice_table, const std::optional<at::Tensor>& grad_out,
                                        at::TensorList grads) {
+  ExecutorScope scope;
   check_operands(operands);
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   num_rows(P, slice_table);
@@ -662,6 +682,7 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
     check_same_device(operands[0], "operand 0", *grad_out, "grad_out");
     const at::Tensor g_out = grad_out->to(operands[0].scalar_type());
     accumulate_gradients(P, operands, slice_table, g_out, needs, {}, into, nullptr);
+    bump_versions(into, needs);
     return at::empty({0}, operands[0].options());
   }
   at::Tensor value = at::zeros(P.out_shape, operands[0].options());
@@ -669,6 +690,7 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
               "element, it has shape ", P.out_shape);
   const at::Tensor unit = at::ones(P.out_shape, operands[0].options());
   accumulate_gradients(P, operands, slice_table, unit, needs, {}, into, &value);
+  bump_versions(into, needs);
   return value;
 }
 

@@ -1264,6 +1264,26 @@ def test_opcheck():
                                   ([a, b, c], prog, table, [1, 0, 1]))
             torch.library.opcheck(torch.ops.torch_gradops.contract_program_backward.default,
                                   ([a, b, c], prog, table, _rand((3, 2), gen=gen), [1, 1, 1], cache))
+        grads = [torch.zeros_like(a), a.new_empty((0,)), torch.zeros_like(c)]
+        torch.library.opcheck(torch.ops.torch_gradops.contract_program_accumulate.default,
+                              ([a, b, c], prog, table, _rand((3, 2), gen=gen), grads))
+
+
+def test_accumulate_bumps_the_version_of_the_buffers_it_writes():
+    # The executor runs below ADInplaceOrView (no view tracking of its own steps); the caller's
+    # buffers that contract_program_accumulate adds into must still show the write to autograd.
+    gen = torch.Generator().manual_seed(20)
+    a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)
+    p = tn.plan("ab,bc,cd->ad", a, b, c, slicing=["b"])
+    prog, table = list(p.program), list(p.slice_set.table(None))
+    grads = [torch.zeros_like(a), a.new_empty((0,)), torch.zeros_like(c)]
+    w = torch.ones_like(grads[0], requires_grad=True)
+    z = (w * grads[0]).sum()  # saves grads[0] for its backward
+    before = [g._version for g in grads]
+    torch.ops.torch_gradops.contract_program_accumulate([a, b, c], prog, table, _rand((3, 2), gen=gen), grads)
+    assert grads[0]._version > before[0] and grads[2]._version > before[2] and grads[1]._version == before[1]
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        z.backward()
 
 
 def test_torch_compile_fullgraph_matches_eager():
