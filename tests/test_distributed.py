@@ -111,14 +111,16 @@ TN_CASES = [
     ("ab,bc->ac", [(3, 2), (2, 4)], ["b"], torch.float64),                  # 2 slices
     ("ab,bc->ac", [(3, 2), (2, 4)], None, torch.float64),                   # 1 slice
     ("abc,bcd,ce->ade", [(2, 5, 3), (5, 3, 2), (3, 4)], ["b"], torch.complex128),  # 5 slices, hyperedge c
+    # under a memory limit: ab,bc,cd do not depend on the sliced e (hoisted: computed once per rank)
+    ("ab,bc,cd,de,ea->a", [(3, 4), (4, 5), (5, 3), (3, 6), (6, 3)], ["e"], torch.float64, "1MiB"),
 ]
 
 
 def _tn_inputs(case):
-    expr, shapes, slicing, dtype = TN_CASES[case]
+    expr, shapes, slicing, dtype, *limit = TN_CASES[case]
     gen = torch.Generator().manual_seed(100 + case)
     ops = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
-    return expr, ops, slicing
+    return expr, ops, dict(slicing=slicing, memory_limit=limit[0] if limit else None)
 
 
 def _tn_ranks(rank, world_size):
@@ -128,10 +130,10 @@ def _tn_ranks(rank, world_size):
 
     results = []
     for case in range(len(TN_CASES)):
-        expr, ops, slicing = _tn_inputs(case)
+        expr, ops, options = _tn_inputs(case)
         ops = [o.requires_grad_() for o in ops]
         stats = ContractStats()
-        out = contract(expr, *ops, slicing=slicing, process_group=dist.group.WORLD, stats=stats)
+        out = contract(expr, *ops, **options, process_group=dist.group.WORLD, stats=stats)
         weight = torch.linspace(-1, 2, out.numel(), dtype=torch.float64).view(out.shape)
         (out.real * weight).sum().backward()
         results.append((out.detach(), [o.grad for o in ops], stats.slices))
@@ -144,12 +146,14 @@ def test_distributed_contraction_matches_single_process(world):
 
     per_rank = launch(_tn_ranks, world, timeout=TIMEOUT)
     for case in range(len(TN_CASES)):
-        expr, ops, slicing = _tn_inputs(case)
+        expr, ops, options = _tn_inputs(case)
         ops = [o.requires_grad_() for o in ops]
         ref = torch.einsum(expr, *ops)
         weight = torch.linspace(-1, 2, ref.numel(), dtype=torch.float64).view(ref.shape)
         ref_grads = torch.autograd.grad((ref.real * weight).sum(), ops)
-        num_slices = tg.tensornet.plan(expr, *ops, slicing=slicing).num_slices
+        plan = tg.tensornet.plan(expr, *ops, **options)
+        num_slices = plan.num_slices
+        assert (plan.hoisted is not None) == (options["memory_limit"] is not None)
         handled = [per_rank[r][case][2] for r in range(world)]
         assert sum(handled) == num_slices  # every slice once, balanced
         assert max(handled) - min(handled) <= 1
@@ -163,8 +167,8 @@ def test_distributed_contraction_matches_single_process(world):
 def test_distributed_contract_without_process_group_is_local():
     from torch_gradops.distributed import contract
 
-    expr, ops, slicing = _tn_inputs(0)
-    torch.testing.assert_close(contract(expr, *ops, slicing=slicing), torch.einsum(expr, *ops))
+    expr, ops, options = _tn_inputs(0)
+    torch.testing.assert_close(contract(expr, *ops, **options), torch.einsum(expr, *ops))
 
 
 def _tn_mismatched_plans(rank, world_size):

@@ -1480,3 +1480,108 @@ def test_place_checkpoints_matches_the_quadratic_placement():
         assert got[0] == slicer.memory_model(costs, got[1], copies, cx)
         kinds.add((bool(got[1]), cap is not None and got[0] <= cap))
     assert kinds == {(False, False), (False, True), (True, False), (True, True)}
+
+
+# ---------------------------------------------------------------------------- hoisting
+PLAN_MODULE = __import__("torch_gradops.tensornet.plan", fromlist=["HOIST"])
+# A ring whose sliced mode e lies in D and E only: A B C (modes a..d) are the same in every slice.
+HOIST_SHAPES = [(3, 4), (4, 5), (5, 3), (3, 6), (6, 3)]
+
+
+def _hoist_ops(dtype=F64, seed=30, requires_grad=False):
+    gen = torch.Generator().manual_seed(seed)
+    return [_rand(s, dtype=dtype, gen=gen, requires_grad=requires_grad) for s in HOIST_SHAPES]
+
+
+def _hoisted_plan(expr, ops, **kw):
+    p = tn.plan(expr, *ops, memory_limit=kw.pop("memory_limit", "1MiB"), slicing=["e"], **kw)
+    assert p.hoisted is not None and len(p.hoisted.subs) == 1 and p.num_slices == 6
+    return p
+
+
+@pytest.mark.parametrize("out", ["", "e", "ae", "ce"])
+@pytest.mark.parametrize("dtype", [F64, C128])
+def test_hoisted_plan_matches_einsum_and_the_unhoisted_plan(monkeypatch, out, dtype):
+    expr = "ab,bc,cd,de,ea->" + out
+    ops = _hoist_ops(dtype)
+    p = _hoisted_plan(expr, ops)
+    assert "slice-invariant" in repr(p)
+    _check_against_einsum(expr, ops, memory_limit="1MiB", slicing=["e"])
+    # slice groups: partial sums (or output blocks) that add up to the whole
+    total = sum(p.contract(*ops, slices=g) for g in (range(0, 2), [2, 5], range(3, 5)))
+    _close(total, torch.einsum(expr, *ops))
+    # the same plan with every slice computing everything: same values, more FLOPs
+    monkeypatch.setattr(PLAN_MODULE, "HOIST", False)
+    tn.clear_plan_cache()
+    q = tn.plan(expr, *ops, memory_limit="1MiB", slicing=["e"])
+    assert q.hoisted is None and q.path == p.path and q.num_slices == p.num_slices
+    assert p.flops < q.flops
+    _close(p.contract(*ops, slices=[1, 4]), q.contract(*ops, slices=[1, 4]))
+
+
+@pytest.mark.parametrize("out", ["", "e", "ae"])
+def test_hoisted_plan_gradcheck_gradgradcheck_forward_ad(out):
+    expr = "ab,bc,cd,de,ea->" + out
+    ops = _hoist_ops(requires_grad=True)
+    p = _hoisted_plan(expr, ops)
+    assert torch.autograd.gradcheck(lambda *x: p.contract(*x), ops, check_forward_ad=True)
+    assert torch.autograd.gradgradcheck(lambda *x: p.contract(*x), ops)
+
+
+def test_hoisted_plan_low_level_gradients_and_torch_func():
+    expr = "ab,bc,cd,de,ea->e"
+    ops = _hoist_ops()
+    p = _hoisted_plan(expr, ops)
+    g = _rand((6,), gen=torch.Generator().manual_seed(1))
+    ref_ops = [o.clone().requires_grad_(True) for o in ops]
+    ref = torch.autograd.grad(torch.einsum(expr, *ref_ops), ref_ops, g)
+    # slice groups accumulated into caller buffers, one operand skipped
+    bufs = [torch.zeros_like(o) for o in ops]
+    bufs[3] = None
+    p.gradients(*ops, output_grad=g, slices=range(3), grads=bufs)
+    got = p.gradients(*ops, output_grad=g, slices=range(3, 6), grads=bufs, accumulate=True)
+    assert got[3] is None
+    for i in (0, 1, 2, 4):
+        _close(bufs[i], ref[i])
+    # torch.func: vmap over a batch of the hoisted subtree's operand, jacrev, jvp
+    batch = torch.randn((2,) + HOIST_SHAPES[1], dtype=F64)
+    got = torch.func.vmap(lambda b: p.contract(ops[0], b, *ops[2:]))(batch)
+    _close(got, torch.stack([torch.einsum(expr, ops[0], b, *ops[2:]) for b in batch]))
+    jac = torch.func.jacrev(lambda a: p.contract(a, *ops[1:]))(ops[0])
+    _close(jac, torch.func.jacrev(lambda a: torch.einsum(expr, a, *ops[1:]))(ops[0]))
+    t = torch.randn_like(ops[2])
+    _, tangent = torch.func.jvp(lambda c: p.contract(*ops[:2], c, *ops[3:]), (ops[2],), (t,))
+    _close(tangent, torch.einsum(expr, *ops[:2], t, *ops[3:]))
+
+
+def test_hoisted_plan_under_torch_compile():
+    expr = "ab,bc,cd,de,ea->ae"
+    ops = _hoist_ops()
+    _hoisted_plan(expr, ops)  # planned outside the compiled region
+
+    def fn(*x):
+        return tn.contract(expr, *x, memory_limit="1MiB", slicing=["e"]).sin().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    leaves = [o.clone().requires_grad_(True) for o in ops]
+    ref_leaves = [o.clone().requires_grad_(True) for o in ops]
+    _close(compiled(*leaves), fn(*ref_leaves))
+    got = torch.autograd.grad(compiled(*leaves), leaves)
+    ref = torch.autograd.grad(fn(*ref_leaves), ref_leaves)
+    for a, b in zip(got, ref):
+        _close(a, b)
+
+
+def test_hoisting_cuts_the_work_of_a_real_lattice_within_the_memory_contract(monkeypatch):
+    # the 5x5 bond-16 lattice of the benchmarks at 4 MiB: about 15% of a slice's multiply-adds
+    # are the same in every one of its 32 slices
+    inputs, output, arrays = lattice_network(5, 5, 16, seed=0)
+    args = interleave(inputs, arrays, output)
+    p = tn.plan(*args, memory_limit="4MiB")
+    monkeypatch.setattr(PLAN_MODULE, "HOIST", False)
+    tn.clear_plan_cache()
+    q = tn.plan(*args, memory_limit="4MiB")
+    assert p.hoisted is not None and q.hoisted is None and p.num_slices == q.num_slices
+    assert 3 * p.flops + p.recompute_flops < 0.9 * (3 * q.flops + q.recompute_flops)
+    assert p.modelled_peak <= tn.slicer.MODEL_CAP * 4 * 2**20

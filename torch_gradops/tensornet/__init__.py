@@ -19,6 +19,11 @@ placement can keep it there does it slice further, and then preferably a mode in
 slicing it index by index would multiply them by 16); the slicer takes modes in chunks for the
 limit itself too, wherever fewer slices do. One plan serves forward and backward.
 
+A sliced plan computes its slice-invariant subtrees (steps none of whose operands holds a
+sliced mode: the same in every slice) once per call and contracts the rest slice by slice,
+where that costs less and the held results and their gradients fit the memory model
+(:attr:`ContractionPlan.hoisted`).
+
 Gradients recompute one slice at a time in C++ (segment by segment between checkpoints), write
 each intermediate's gradient over the intermediate, and accumulate each operand's gradient
 across slices; a one-element output's gradients are computed during the forward (each slice's

@@ -266,6 +266,10 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     group = plan.slice_set.group(slices)
     if len(group) == 0:  # empty slice group
         return eff[0].new_zeros(plan.output_shape)
+    parts = plan.hoisted
+    if parts is not None:  # the slice-invariant subtrees once, then the sliced rest
+        results = [contract_prepared(sub, [eff[i] for i in ops_], None, False) for sub, ops_ in parts.subs]
+        return contract_prepared(parts.main, parts.main_inputs(eff, results), group, progress)
     how = route(eff, vmap_traceable=False)
     if how == COMPOSITE:
         return _composite(plan, eff, group)
@@ -298,6 +302,32 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     return ContractFunction.apply(plan, group, _mode(plan, eff, group), *eff)[0]
 
 
+def _eff_gradients(plan, eff, group, grad_out, want) -> List[torch.Tensor]:
+    """:func:`_backward` of a plan, hoisted (``plan.hoisted``) or not: for a hoisted plan the
+    gradients of the sliced rest, those of the subtrees' results passed through the subtrees."""
+    parts = plan.hoisted
+    if parts is None:
+        return _backward(plan, eff, group, grad_out, want)
+    results = [_forward(sub, [eff[i] for i in ops_], sub.slice_set.group(None)) for sub, ops_ in parts.subs]
+    main_want = [want[i] if kind == "op" else any(want[j] for j in parts.subs[i][1])
+                 for kind, i in parts.main_operands]
+    main_grads = _backward(parts.main, parts.main_inputs(eff, results), group, grad_out, main_want)
+    out = [op.new_empty((0,)) for op in eff]
+    for (kind, i), g, w in zip(parts.main_operands, main_grads, main_want):
+        if not w:
+            continue
+        if kind == "op":
+            out[i] = g
+            continue
+        sub, ops_ = parts.subs[i]
+        sub_want = [want[j] for j in ops_]
+        for j, gj, wj in zip(ops_, _backward(sub, [eff[j] for j in ops_], sub.slice_set.group(None), g, sub_want),
+                             sub_want):
+            if wj:
+                out[j] = gj
+    return out
+
+
 def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
     """:meth:`~.plan.ContractionPlan.gradients`: the operands' gradients under ``output_grad``,
     without an autograd graph, optionally written or added into ``grads``."""
@@ -312,7 +342,7 @@ def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
     with torch.no_grad():
         raw_ops = [op.detach() if isinstance(op, torch.Tensor) else op for op in operands]
         eff = plan.prepare(raw_ops)
-        raw = _backward(plan, eff, plan.slice_set.group(slices), output_grad, want)
+        raw = _eff_gradients(plan, eff, plan.slice_set.group(slices), output_grad, want)
         geff = [g if w else None for g, w in zip(raw, want)]
     result = []
     for i, g in enumerate(geff):

@@ -90,6 +90,7 @@ class ContractionPlan:
         sset = set(sliced)
         largest = max([costs.largest] + [math.prod(sizes[m] for m in network.output if m not in sset)])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
+        self.hoisted: Optional[HoistedParts] = None  # set by _hoist
         self._derivatives: Dict[int, Tuple["ContractionPlan", List[int], List[int]]] = {}
         self._batched: Dict[Tuple[Tuple[int, ...], int], "ContractionPlan"] = {}
 
@@ -106,6 +107,8 @@ class ContractionPlan:
         backward recomputes (a scalar output's gradient is computed during the forward), plus a
         fixed cost per executor step and slice (:data:`STEP_OVERHEAD_S`), which dominates plans
         of many tiny slices."""
+        if self.hoisted is not None:
+            return sum(p.estimated_seconds(gradients) for p in self.hoisted.plans())
         work = self.flops * 3 + self.recompute_flops if gradients else self.flops
         steps = self.num_slices * max(len(self.path), 1) * (3 if gradients else 1)
         return work / device_flop_rate(self.device_type, self.dtype) + \
@@ -194,14 +197,15 @@ class ContractionPlan:
     def __repr__(self):
         li_el, li_b = self.largest_intermediate
         path = self.path if len(self.path) <= 8 else self.path[:8] + ["..."]
-        return (f"ContractionPlan(expr={_short_expr(self.expr, len(self.inputs))!r}, shapes={_short(list(self.shapes))}, dtype={self.dtype}, "
-                f"device_type={self.device_type!r}, optimizer={self.optimizer!r}, path={path} "
+        hoisted = f"hoisted={self.hoisted.describe()}, " if self.hoisted is not None else ""
+        return (f"ContractionPlan(expr={_short_expr(self.expr, len(self.inputs))!r}, shapes={_short(list(self.shapes))}, "
+                f"dtype={self.dtype}, device_type={self.device_type!r}, optimizer={self.optimizer!r}, path={path} "
                 f"({len(self.path)} steps), sliced_modes={list(self.sliced_modes)}, num_slices={self.num_slices}, "
                 f"flops={self.flops:.4g} (unsliced {self.unsliced_flops:.4g}), "
                 f"largest_intermediate={li_el} elements ({format_bytes(li_b)}), "
                 f"modelled_peak={format_bytes(self.modelled_peak)}, checkpoints={len(self.checkpoints)}, "
                 f"recompute_flops={self.recompute_flops:.4g}, "
-                f"memory_limit={None if self.memory_limit is None else format_bytes(self.memory_limit)}, "
+                f"memory_limit={None if self.memory_limit is None else format_bytes(self.memory_limit)}, {hoisted}"
                 f"estimated_time={_seconds(self.estimated_seconds(False))} forward, "
                 f"{_seconds(self.estimated_seconds(True))} forward+backward)")
 
@@ -301,13 +305,15 @@ class _Slicing:
     (and ``min_slices``), then, where no checkpoint placement keeps the backward's modelled
     memory within the cap, :func:`~.slicer.split_to_fit` (modes sliced in chunks, or whole)."""
 
-    def __init__(self, network, limit_elems, min_slices, forced, is_complex):
+    def __init__(self, network, limit_elems, min_slices, forced, is_complex, reserve: int = 0):
         self.network = network
         self.limit_elems = limit_elems
         self.min_slices = min_slices
         self.forced = list(forced)
         self.is_complex = is_complex
-        self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems
+        # ``reserve``: elements held besides the slice's own (a hoisted plan's slice-invariant
+        # tensors and their gradients, see _hoist)
+        self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems - reserve
         self._final = {}
 
     def schedule(self, path):
@@ -451,9 +457,12 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
 
 @torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling
 def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing,
-               device=None, interleaved=False, path_cache=None, max_overhead=1e4) -> ContractionPlan:
+               device=None, interleaved=False, path_cache=None, max_overhead=1e4, hoist: bool = True,
+               reserve: int = 0) -> ContractionPlan:
     """Plan the contraction of operands with ``shapes`` and mode labels ``terms`` into
-    ``output`` (None: implicit), with the options of :func:`~.contract.plan`."""
+    ``output`` (None: implicit), with the options of :func:`~.contract.plan`. ``hoist``: let a
+    sliced plan compute its slice-invariant subtrees once (:func:`_hoist`); ``reserve``:
+    elements of the memory model's cap held by something else (the hoisted tensors)."""
     import time
     t0 = time.perf_counter()
     terms, out, sizes, broadcast = parser.normalize_labels(terms, output, shapes)
@@ -466,7 +475,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     forced, min_slices = _forced_modes(slicing, network)
     if max_overhead is not None and not (isinstance(max_overhead, (int, float)) and max_overhead >= 1):
         raise ValueError(f"max_overhead must be a number >= 1 or None, got {max_overhead!r}")
-    slicing_ = _Slicing(network, limit_elems, min_slices, forced, dtype.is_complex)
+    slicing_ = _Slicing(network, limit_elems, min_slices, forced, dtype.is_complex, reserve)
     sym_back = {v: k for k, v in paths.symbols(network.sizes).items()}
 
     def score_tree(tree):
@@ -487,6 +496,8 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
                            device_type=device_type, network=network, path=path, sliced=sliced,
                            memory_limit=limit, optimizer=found.optimizer, searched=found.searched,
                            checkpoints=checkpoints, copies=copies, search_s=found.search_s)
+    if hoist and HOIST and slicing_.cap is not None and plan.num_slices > 1:
+        _hoist(plan, slicing_.cap)
     if max_overhead is not None and plan.flops > max_overhead * max(plan.unsliced_flops, 1):
         unsliced_largest = _unsliced_largest(steps, unsplit_sizes)
         raise ValueError(
@@ -498,6 +509,162 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
             f"modes, or pass max_overhead=None to create it anyway and contract slice groups of it lazily")
     plan.plan_s = time.perf_counter() - t0
     return plan
+
+
+# ---------------------------------------------------------------------------- hoisting
+HOIST = True  # sliced plans compute their slice-invariant subtrees once (False: every slice)
+
+
+class HoistedParts:
+    """A sliced plan split at its slice-invariant subtrees (:func:`_hoist`).
+
+    ``subs``: per hoisted subtree ``(plan, operands)``: an unsliced plan of the subtree's
+    operands (indices into the effective operands) whose result, computed once per call, is an
+    operand of ``main``. ``main``: the sliced plan of the rest, with the same sliced modes in the
+    same order (so the same slice ids); its operands are ``main_operands``, each ``("op", i)``
+    (effective operand ``i``) or ``("sub", k)`` (the result of ``subs[k]``). ``held``: elements
+    of the hoisted results, held through the slices (and as much again for their gradients)."""
+
+    def __init__(self, subs, main, main_operands, held, fraction):
+        self.subs = subs
+        self.main = main
+        self.main_operands = main_operands
+        self.held = held
+        self.fraction = fraction  # of one slice's multiply-adds that the subtrees do
+
+    def plans(self) -> List["ContractionPlan"]:
+        return [p for p, _ in self.subs] + [self.main]
+
+    def main_inputs(self, eff, results) -> List[torch.Tensor]:
+        """``main``'s operands from the effective operands and the subtrees' ``results``."""
+        return [eff[i] if kind == "op" else results[i] for kind, i in self.main_operands]
+
+    def describe(self) -> str:
+        return f"{len(self.subs)} slice-invariant subtrees ({self.fraction:.0%} of a slice's FLOPs) run once"
+
+
+def _hoist_work(p: "ContractionPlan") -> float:
+    """The planner's deterministic cost of running ``p`` forward + backward: FLOPs and a fixed
+    cost per executor step (:data:`~.slicer.STEP_OVERHEAD_MACS`) and slice."""
+    return 3.0 * p.flops + p.recompute_flops + 6.0 * slicer.STEP_OVERHEAD_MACS * p.num_slices * max(len(p.path), 1)
+
+
+def _hoist(plan: ContractionPlan, cap: float) -> None:
+    """Split a sliced plan at its slice-invariant subtrees when that costs less and fits.
+
+    A step none of whose operands (transitively) holds a sliced mode computes the same tensor
+    in every slice. The subtrees of such steps whose results a slice-dependent step reads are
+    planned on their own (unsliced, computed once per call, differentiated once) and their
+    results become operands of the sliced rest, ``main``, planned on the same path with the same
+    sliced modes. Those results and, in the backward, their gradients (accumulated over the
+    slices, as any operand's) are held through all slices: ``main`` is planned with that much
+    less of the memory model's ``cap``, and the split is kept only if ``main`` then needs no
+    more slices and the whole does less work (:func:`_hoist_work`). Sets ``plan.hoisted`` and
+    the plan's FLOPs, recomputation and modelled peak to the split's."""
+    from opt_einsum.paths import ssa_to_linear
+
+    net = plan.network
+    n_ops = len(net.inputs)
+    sset = set(plan.sliced_ids)
+    steps = slicer.step_table(net.inputs, net.output, plan.path)
+    costs = slicer.step_costs(steps, net.sizes, sset)
+    variant = [any(m in sset for m in t) for t in net.inputs]
+    children: List[Tuple[int, int]] = []
+    items = list(range(n_ops))
+    for a, b in plan.path:
+        x, y = items[a], items[b]
+        for k in sorted((a, b), reverse=True):
+            items.pop(k)
+        items.append(n_ops + len(children))
+        children.append((x, y))
+        variant.append(variant[x] or variant[y])
+    # invariant steps read by a slice-dependent one: the hoisted subtrees' roots
+    roots = [c for j, pair in enumerate(children) if variant[n_ops + j] for c in pair
+             if not variant[c] and c >= n_ops]
+    if not roots:
+        return
+
+    def leaves_and_path(root):
+        """The subtree's operands (left to right) and its SSA path over them."""
+        leaves, ssa, ids = [], [], {}
+
+        def walk(u):
+            if u < n_ops:
+                ids[u] = len(leaves)
+                leaves.append(u)
+                return
+            x, y = children[u - n_ops]
+            walk(x)
+            walk(y)
+        walk(root)
+        nxt = len(leaves)
+
+        def emit(u):
+            nonlocal nxt
+            if u < n_ops:
+                return ids[u]
+            x, y = children[u - n_ops]
+            i, j = emit(x), emit(y)
+            ssa.append((i, j))
+            nxt += 1
+            return nxt - 1
+        emit(root)
+        return leaves, ssa_to_linear(ssa)
+
+    kw = dict(dtype=plan.dtype, device_type=plan.device_type, memory_limit=plan.memory_limit, slicing=None,
+              interleaved=True, max_overhead=None, hoist=False)
+    subs, held, sub_macs = [], 0, 0
+    root_index = {}
+    for r in roots:
+        leaves, path = leaves_and_path(r)
+        modes = sorted(steps[r - n_ops][1])
+        terms = [list(net.inputs[i]) for i in leaves]
+        shapes = [tuple(net.sizes[m] for m in t) for t in terms]
+        sub = PLANS.build(None, lambda: build_plan(None, terms, modes, shapes, optimize=path, **kw))
+        root_index[r] = len(subs)
+        subs.append((sub, leaves))
+        held += math.prod(net.sizes[m] for m in modes)
+        sub_macs += sum(costs.macs[j] for j in range(len(children)) if _within(children, n_ops, r, n_ops + j))
+    # main: the operands that no subtree took, then the subtrees' results, along the variant steps
+    in_sub = {i for _, leaves in subs for i in leaves}
+    main_operands = [("op", i) for i in range(n_ops) if i not in in_sub] + [("sub", k) for k in range(len(subs))]
+    main_id = {(i if kind == "op" else roots[i]): pos for pos, (kind, i) in enumerate(main_operands)}
+    ssa, nxt = [], len(main_operands)
+    for j, (x, y) in enumerate(children):
+        if variant[n_ops + j]:
+            ssa.append((main_id[x], main_id[y]))
+            main_id[n_ops + j] = nxt
+            nxt += 1
+    terms = [list(net.inputs[i]) if kind == "op" else sorted(steps[roots[i] - n_ops][1]) for kind, i in main_operands]
+    shapes = [tuple(net.sizes[m] for m in t) for t in terms]
+    main = PLANS.build(None, lambda: build_plan(
+        None, terms, list(net.output), shapes, optimize=ssa_to_linear(ssa),
+        **dict(kw, slicing=list(plan.sliced_ids)), reserve=2 * held))
+    if main.slice_extents != plan.slice_extents:
+        return  # it would need more slices
+    parts = [p for p, _ in subs] + [main]
+    if sum(_hoist_work(p) for p in parts) >= _hoist_work(plan):
+        return
+    itemsize = plan.itemsize
+    peak = max([main.modelled_peak + 2 * held * itemsize] + [p.modelled_peak for p, _ in subs])
+    if peak > cap * itemsize:
+        return
+    plan.hoisted = HoistedParts(subs, main, main_operands, held, sub_macs / max(sum(costs.macs), 1))
+    plan.flops = sum(p.flops for p in parts)
+    plan.recompute_flops = sum(p.recompute_flops for p in parts)
+    plan.modelled_peak = int(peak)
+
+
+def _within(children, n_ops, root, u) -> bool:
+    """Whether node ``u`` is in the subtree of ``root`` (SSA ids; leaves below ``n_ops``)."""
+    stack = [root]
+    while stack:
+        v = stack.pop()
+        if v == u:
+            return True
+        if v >= n_ops:
+            stack.extend(children[v - n_ops])
+    return False
 
 
 def _copies(network, path, sliced, itemsize, is_complex):
