@@ -1,6 +1,7 @@
 """Tests of torch_gradops.tensornet: values and gradients against torch.einsum, slicing,
 slice groups, double backward, forward AD, plan cache, validation, memory bound, dtypes,
 torch.compile and opcheck."""
+import contextlib
 import ctypes
 import math
 import os
@@ -1488,6 +1489,19 @@ PLAN_MODULE = __import__("torch_gradops.tensornet.plan", fromlist=["HOIST"])
 HOIST_SHAPES = [(3, 4), (4, 5), (5, 3), (3, 6), (6, 3)]
 
 
+@contextlib.contextmanager
+def _without_hoisting():
+    """Plans made inside compute every slice in full (the plan cache is cleared on entry and
+    exit, so that no other test meets such a plan)."""
+    tn.clear_plan_cache()
+    PLAN_MODULE.HOIST = False
+    try:
+        yield
+    finally:
+        PLAN_MODULE.HOIST = True
+        tn.clear_plan_cache()
+
+
 def _hoist_ops(dtype=F64, seed=30, requires_grad=False):
     gen = torch.Generator().manual_seed(seed)
     return [_rand(s, dtype=dtype, gen=gen, requires_grad=requires_grad) for s in HOIST_SHAPES]
@@ -1501,7 +1515,7 @@ def _hoisted_plan(expr, ops, **kw):
 
 @pytest.mark.parametrize("out", ["", "e", "ae", "ce"])
 @pytest.mark.parametrize("dtype", [F64, C128])
-def test_hoisted_plan_matches_einsum_and_the_unhoisted_plan(monkeypatch, out, dtype):
+def test_hoisted_plan_matches_einsum_and_the_unhoisted_plan(out, dtype):
     expr = "ab,bc,cd,de,ea->" + out
     ops = _hoist_ops(dtype)
     p = _hoisted_plan(expr, ops)
@@ -1511,12 +1525,11 @@ def test_hoisted_plan_matches_einsum_and_the_unhoisted_plan(monkeypatch, out, dt
     total = sum(p.contract(*ops, slices=g) for g in (range(0, 2), [2, 5], range(3, 5)))
     _close(total, torch.einsum(expr, *ops))
     # the same plan with every slice computing everything: same values, more FLOPs
-    monkeypatch.setattr(PLAN_MODULE, "HOIST", False)
-    tn.clear_plan_cache()
-    q = tn.plan(expr, *ops, memory_limit="1MiB", slicing=["e"])
-    assert q.hoisted is None and q.path == p.path and q.num_slices == p.num_slices
-    assert p.flops < q.flops
-    _close(p.contract(*ops, slices=[1, 4]), q.contract(*ops, slices=[1, 4]))
+    with _without_hoisting():
+        q = tn.plan(expr, *ops, memory_limit="1MiB", slicing=["e"])
+        assert q.hoisted is None and q.path == p.path and q.num_slices == p.num_slices
+        assert p.flops < q.flops
+        _close(p.contract(*ops, slices=[1, 4]), q.contract(*ops, slices=[1, 4]))
 
 
 @pytest.mark.parametrize("out", ["", "e", "ae"])
@@ -1573,15 +1586,14 @@ def test_hoisted_plan_under_torch_compile():
         _close(a, b)
 
 
-def test_hoisting_cuts_the_work_of_a_real_lattice_within_the_memory_contract(monkeypatch):
+def test_hoisting_cuts_the_work_of_a_real_lattice_within_the_memory_contract():
     # the 5x5 bond-16 lattice of the benchmarks at 4 MiB: about 15% of a slice's multiply-adds
     # are the same in every one of its 32 slices
     inputs, output, arrays = lattice_network(5, 5, 16, seed=0)
     args = interleave(inputs, arrays, output)
     p = tn.plan(*args, memory_limit="4MiB")
-    monkeypatch.setattr(PLAN_MODULE, "HOIST", False)
-    tn.clear_plan_cache()
-    q = tn.plan(*args, memory_limit="4MiB")
+    with _without_hoisting():
+        q = tn.plan(*args, memory_limit="4MiB")
     assert p.hoisted is not None and q.hoisted is None and p.num_slices == q.num_slices
     assert 3 * p.flops + p.recompute_flops < 0.9 * (3 * q.flops + q.recompute_flops)
     assert p.modelled_peak <= tn.slicer.MODEL_CAP * 4 * 2**20
