@@ -585,14 +585,16 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
         return
 
     def leaves_and_path(root):
-        """The subtree's operands (left to right) and its SSA path over them."""
-        leaves, ssa, ids = [], [], {}
+        """The subtree's operands (left to right), its SSA path over them and its multiply-adds
+        per slice."""
+        leaves, ssa, ids, macs = [], [], {}, [0]
 
         def walk(u):
             if u < n_ops:
                 ids[u] = len(leaves)
                 leaves.append(u)
                 return
+            macs[0] += costs.macs[u - n_ops]
             x, y = children[u - n_ops]
             walk(x)
             walk(y)
@@ -609,14 +611,14 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
             nxt += 1
             return nxt - 1
         emit(root)
-        return leaves, ssa_to_linear(ssa)
+        return leaves, ssa_to_linear(ssa), macs[0]
 
     kw = dict(dtype=plan.dtype, device_type=plan.device_type, memory_limit=plan.memory_limit, slicing=None,
               interleaved=True, max_overhead=None, hoist=False)
     subs, held, sub_macs = [], 0, 0
     root_index = {}
     for r in roots:
-        leaves, path = leaves_and_path(r)
+        leaves, path, macs = leaves_and_path(r)
         modes = sorted(steps[r - n_ops][1])
         terms = [list(net.inputs[i]) for i in leaves]
         shapes = [tuple(net.sizes[m] for m in t) for t in terms]
@@ -624,7 +626,7 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
         root_index[r] = len(subs)
         subs.append((sub, leaves))
         held += math.prod(net.sizes[m] for m in modes)
-        sub_macs += sum(costs.macs[j] for j in range(len(children)) if _within(children, n_ops, r, n_ops + j))
+        sub_macs += macs
     # main: the operands that no subtree took, then the subtrees' results, along the variant steps
     in_sub = {i for _, leaves in subs for i in leaves}
     main_operands = [("op", i) for i in range(n_ops) if i not in in_sub] + [("sub", k) for k in range(len(subs))]
@@ -653,18 +655,6 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
     plan.flops = sum(p.flops for p in parts)
     plan.recompute_flops = sum(p.recompute_flops for p in parts)
     plan.modelled_peak = int(peak)
-
-
-def _within(children, n_ops, root, u) -> bool:
-    """Whether node ``u`` is in the subtree of ``root`` (SSA ids; leaves below ``n_ops``)."""
-    stack = [root]
-    while stack:
-        v = stack.pop()
-        if v == u:
-            return True
-        if v >= n_ops:
-            stack.extend(children[v - n_ops])
-    return False
 
 
 def _copies(network, path, sliced, itemsize, is_complex):
