@@ -44,6 +44,10 @@ class ContractionPlan:
             :data:`~.slicer.MODEL_CAP` x ``memory_limit``; the measured contract is
             :data:`~.slicer.BACKWARD_FACTOR` x ``memory_limit``.
         checkpoints: the steps before which the backward keeps a checkpoint.
+        hoisted: None, or the :class:`HoistedParts` that run a sliced plan's slice-invariant
+            subtrees once (:func:`_hoist`); ``flops``, ``recompute_flops``, ``modelled_peak``
+            and the estimated time are then the parts', ``path``, ``checkpoints`` and
+            ``program`` those of the whole network's plan.
         program: the compiled program (:mod:`~.program`), a tuple of ints.
         search_s / plan_s: seconds the path search / the whole planning took (0 for a search
             answered by the on-disk path cache).
