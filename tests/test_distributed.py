@@ -1,6 +1,4 @@
 """Multi-process runs with the gloo backend on 127.0.0.1 (bounded time, processes always reaped)."""
-import os
-import sys
 
 import pytest
 import torch
@@ -9,15 +7,13 @@ import torch.nn.functional as F
 from torch_gradops.distributed import rank_slices, split_by_cost
 from torch_gradops.testing import launch
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
+from examples_path import load_example
+
 TIMEOUT = 240
 
 
 def _example():
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    import distributed_gat
-    return distributed_gat
+    return load_example("distributed_gat")
 
 
 # --------------------------------------------------------------------------- launcher

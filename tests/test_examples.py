@@ -7,17 +7,11 @@ import pytest
 
 from torch_gradops.testing import circuit_amplitude_network
 
-EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
-
-
-def _example(name):
-    if EXAMPLES not in sys.path:
-        sys.path.insert(0, EXAMPLES)
-    return __import__(name)
+from examples_path import EXAMPLES, load_example
 
 
 def test_sliced_circuit_training_learns_with_exact_gradients_and_bounded_memory():
-    example = _example("sliced_circuit_training")
+    example = load_example("sliced_circuit_training")
     limit = 2048
     r = example.main(["--rows", "3", "--cols", "4", "--depth", "8", "--steps", "30", "--memory-limit", str(limit)])
     assert r["slices"] > 1 and r["largest_intermediate_bytes"] <= limit
@@ -30,7 +24,7 @@ def test_sliced_circuit_training_learns_with_exact_gradients_and_bounded_memory(
 
 @pytest.mark.cuda
 def test_sliced_circuit_training_on_cuda():
-    example = _example("sliced_circuit_training")
+    example = load_example("sliced_circuit_training")
     r = example.main(["--rows", "3", "--cols", "3", "--depth", "6", "--steps", "10", "--memory-limit", "1KiB",
                       "--device", "cuda"])
     assert r["grad_rel_err"] < 1e-5 and r["last_loss"] < r["first_loss"]

@@ -1494,11 +1494,11 @@ def _without_hoisting():
     """Plans made inside compute every slice in full (the plan cache is cleared on entry and
     exit, so that no other test meets such a plan)."""
     tn.clear_plan_cache()
-    PLAN_MODULE.HOIST = False
+    before, PLAN_MODULE.HOIST = PLAN_MODULE.HOIST, False
     try:
         yield
     finally:
-        PLAN_MODULE.HOIST = True
+        PLAN_MODULE.HOIST = before
         tn.clear_plan_cache()
 
 

@@ -42,6 +42,7 @@ import opt_einsum
 from cotengra.hyperoptimizers.hyper import get_hyper_space, register_hyper_function
 from cotengra.pathfinders import path_basic
 from cotengra.scoring import FlopsObjective
+from opt_einsum.paths import linear_to_ssa
 
 __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget", "wants_more",
            "worth_polishing", "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
@@ -411,12 +412,7 @@ def heavy_last(path, n: int, weight) -> List[Tuple[int, int]]:
     (:func:`~.slicer.place_checkpoints`), so the later the expensive subtrees come, the less a
     memory-bounded backward recomputes; the lighter siblings finished first are what a
     checkpoint then holds."""
-    ids = list(range(n))
-    children = {}
-    for j, (a, b) in enumerate(path):
-        a, b = sorted((a, b), reverse=True)
-        children[n + j] = (ids.pop(a), ids.pop(b))
-        ids.append(n + j)
+    children = {n + j: tuple(c) for j, c in enumerate(linear_to_ssa(path))}
     if not children:
         return []
     total = {}

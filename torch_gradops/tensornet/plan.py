@@ -526,14 +526,12 @@ class HoistedParts:
     operands (indices into the effective operands) whose result, computed once per call, is an
     operand of ``main``. ``main``: the sliced plan of the rest, with the same sliced modes in the
     same order (so the same slice ids); its operands are ``main_operands``, each ``("op", i)``
-    (effective operand ``i``) or ``("sub", k)`` (the result of ``subs[k]``). ``held``: elements
-    of the hoisted results, held through the slices (and as much again for their gradients)."""
+    (effective operand ``i``) or ``("sub", k)`` (the result of ``subs[k]``)."""
 
-    def __init__(self, subs, main, main_operands, held, fraction):
+    def __init__(self, subs, main, main_operands, fraction):
         self.subs = subs
         self.main = main
         self.main_operands = main_operands
-        self.held = held
         self.fraction = fraction  # of one slice's multiply-adds that the subtrees do
 
     def plans(self) -> List["ContractionPlan"]:
@@ -565,7 +563,7 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
     less of the memory model's ``cap``, and the split is kept only if ``main`` then needs no
     more slices and the whole does less work (:func:`_hoist_work`). Sets ``plan.hoisted`` and
     the plan's FLOPs, recomputation and modelled peak to the split's."""
-    from opt_einsum.paths import ssa_to_linear
+    from opt_einsum.paths import linear_to_ssa, ssa_to_linear
 
     net = plan.network
     n_ops = len(net.inputs)
@@ -573,14 +571,8 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
     steps = slicer.step_table(net.inputs, net.output, plan.path)
     costs = slicer.step_costs(steps, net.sizes, sset)
     variant = [any(m in sset for m in t) for t in net.inputs]
-    children: List[Tuple[int, int]] = []
-    items = list(range(n_ops))
-    for a, b in plan.path:
-        x, y = items[a], items[b]
-        for k in sorted((a, b), reverse=True):
-            items.pop(k)
-        items.append(n_ops + len(children))
-        children.append((x, y))
+    children = [tuple(c) for c in linear_to_ssa(plan.path)]  # step j makes node n_ops + j
+    for x, y in children:
         variant.append(variant[x] or variant[y])
     # invariant steps read by a slice-dependent one: the hoisted subtrees' roots
     roots = [c for j, pair in enumerate(children) if variant[n_ops + j] for c in pair
@@ -619,15 +611,13 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
 
     kw = dict(dtype=plan.dtype, device_type=plan.device_type, memory_limit=plan.memory_limit, slicing=None,
               interleaved=True, max_overhead=None, hoist=False)
+    root_modes = [sorted(steps[r - n_ops][1]) for r in roots]  # the modes of each hoisted result
     subs, held, sub_macs = [], 0, 0
-    root_index = {}
-    for r in roots:
+    for r, modes in zip(roots, root_modes):
         leaves, path, macs = leaves_and_path(r)
-        modes = sorted(steps[r - n_ops][1])
         terms = [list(net.inputs[i]) for i in leaves]
         shapes = [tuple(net.sizes[m] for m in t) for t in terms]
         sub = PLANS.build(None, lambda: build_plan(None, terms, modes, shapes, optimize=path, **kw))
-        root_index[r] = len(subs)
         subs.append((sub, leaves))
         held += math.prod(net.sizes[m] for m in modes)
         sub_macs += macs
@@ -641,7 +631,7 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
             ssa.append((main_id[x], main_id[y]))
             main_id[n_ops + j] = nxt
             nxt += 1
-    terms = [list(net.inputs[i]) if kind == "op" else sorted(steps[roots[i] - n_ops][1]) for kind, i in main_operands]
+    terms = [list(net.inputs[i]) if kind == "op" else root_modes[i] for kind, i in main_operands]
     shapes = [tuple(net.sizes[m] for m in t) for t in terms]
     main = PLANS.build(None, lambda: build_plan(
         None, terms, list(net.output), shapes, optimize=ssa_to_linear(ssa),
@@ -655,7 +645,7 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
     peak = max([main.modelled_peak + 2 * held * itemsize] + [p.modelled_peak for p, _ in subs])
     if peak > cap * itemsize:
         return
-    plan.hoisted = HoistedParts(subs, main, main_operands, held, sub_macs / max(sum(costs.macs), 1))
+    plan.hoisted = HoistedParts(subs, main, main_operands, sub_macs / max(sum(costs.macs), 1))
     plan.flops = sum(p.flops for p in parts)
     plan.recompute_flops = sum(p.recompute_flops for p in parts)
     plan.modelled_peak = int(peak)
