@@ -462,6 +462,31 @@ def test_huge_slice_counts_cost_nothing_until_run():
            sum(p.contract(*mats, slices=[s]) for s in range(2 ** 40 - 3, 2 ** 40)))
 
 
+def test_long_chain_under_a_tiny_limit_is_refused_quickly(monkeypatch):
+    """A 400-tensor MPS norm (799 steps of 32-element results) at 1 KiB: every intermediate
+    fits, but one level of checkpoints over 799 steps needs more than 3.5 x the limit, and
+    slicing shrinks them little. The planner stops slicing once the plan is past max_overhead
+    (it made 50,000 checkpoint placements, over two minutes, before) and says what limit the
+    checkpoints need; that limit gives an unsliced plan."""
+    import re
+    from torch_gradops.tensornet import slicer
+    from torch_gradops.testing import mps_network
+
+    inputs, out, ops = mps_network(400, bond=4)
+    args = interleave(inputs, ops, out)
+    calls = []
+    place = slicer.place_checkpoints
+    monkeypatch.setattr(slicer, "place_checkpoints", lambda *a, **k: calls.append(1) or place(*a, **k))
+    with pytest.raises(ValueError, match="too expensive.*every intermediate fits it unsliced, but the backward "
+                                         "of 799 steps needs about") as err:
+        tn.plan(*args, memory_limit="1KiB", optimize="greedy")
+    assert len(calls) < 2000, len(calls)
+    need = float(re.search(r"needs about ([0-9.]+) KiB", str(err.value)).group(1))
+    p = tn.plan(*args, memory_limit=f"{need * 1.1:.2f}KiB", optimize="greedy")
+    assert p.num_slices == 1 and p.modelled_peak <= 3.5 * p.memory_limit
+    _close(p.contract(*ops), tn.plan(*args, optimize="greedy").contract(*ops), rtol=1e-5, atol=0)
+
+
 def test_forced_slicing_and_optimizers():
     gen = torch.Generator().manual_seed(9)
     expr, ops = _ladder(gen)

@@ -309,8 +309,10 @@ class _Slicing:
     (and ``min_slices``), then, where no checkpoint placement keeps the backward's modelled
     memory within the cap, :func:`~.slicer.split_to_fit` (modes sliced in chunks, or whole)."""
 
-    def __init__(self, network, limit_elems, min_slices, forced, is_complex, reserve: int = 0):
+    def __init__(self, network, limit_elems, min_slices, forced, is_complex, reserve: int = 0,
+                 max_overhead: Optional[float] = None):
         self.network = network
+        self.max_overhead = max_overhead  # past it split_to_fit stops (build_plan refuses the plan)
         self.limit_elems = limit_elems
         self.min_slices = min_slices
         self.forced = list(forced)
@@ -379,7 +381,7 @@ class _Slicing:
             peak_of = self._peak_of(None if fits else _copies(net, path, sliced, itemsize, self.is_complex))
             splits, sliced = self._chunked(steps, sliced, peak_of)
             more, whole = slicer.split_to_fit(steps, slicer.chunked_sizes(net.sizes, splits), net.output, sliced,
-                                              self.cap, peak_of)
+                                              self.cap, peak_of, self.max_macs(steps))
             for m, f in more.items():  # chunks of chunks are chunks
                 splits[m] = splits.get(m, 1) * f
             for m in whole:  # a split mode whose chunks are sliced whole is sliced whole
@@ -387,6 +389,12 @@ class _Slicing:
             sliced = sliced + whole
         self._final[key] = (path, steps, sliced, splits, self._cost(steps, sliced, splits)[1])
         return self._final[key]
+
+    def max_macs(self, steps) -> Optional[float]:
+        """The most multiply-adds of all slices that ``max_overhead`` allows on these steps."""
+        if self.max_overhead is None:
+            return None
+        return self.max_overhead * max(slicer.step_costs(steps, self.network.sizes, ()).flops(), 1)
 
     def work(self, path, suggested=()) -> float:
         """The search's score, a cheap proxy of :meth:`finalize`'s work: the path sliced to the
@@ -421,7 +429,7 @@ def _checkpointed_peak(cap, copies, is_complex):
     return peak_of
 
 
-def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex):
+def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex, max_macs=None):
     """``(network, sliced, checkpoints, copies)`` with the planner's mode splits applied (the
     chunk modes sliced after the whole ones) and the checkpoints placed on its compiled layout.
 
@@ -448,7 +456,7 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
         # split_to_fit's candidates are unsliced modes: ids of the original network (a split mode
         # keeps its id for the part within a chunk)
         more, whole = slicer.split_to_fit(steps, net.sizes, net.output, all_sliced, cap,
-                                          _checkpointed_peak(cap, copies, is_complex))
+                                          _checkpointed_peak(cap, copies, is_complex), max_macs)
         if not more and not whole:
             break
         for m, f in more.items():
@@ -479,7 +487,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     forced, min_slices = _forced_modes(slicing, network)
     if max_overhead is not None and not (isinstance(max_overhead, (int, float)) and max_overhead >= 1):
         raise ValueError(f"max_overhead must be a number >= 1 or None, got {max_overhead!r}")
-    slicing_ = _Slicing(network, limit_elems, min_slices, forced, dtype.is_complex, reserve)
+    slicing_ = _Slicing(network, limit_elems, min_slices, forced, dtype.is_complex, reserve, max_overhead)
     sym_back = {v: k for k, v in paths.symbols(network.sizes).items()}
 
     def score_tree(tree):
@@ -492,9 +500,9 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
                             objective=score_tree, path_cache=path_cache, select=select_tree)
     path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
-    unsplit_sizes = network.sizes  # for the error below (the split network renumbers modes)
+    unsplit = network  # for the error below (the split network renumbers modes)
     network, sliced, checkpoints, copies = _split_plan_network(network, path, sliced, splits, slicing_.cap,
-                                                               itemsize, dtype.is_complex)
+                                                               itemsize, dtype.is_complex, slicing_.max_macs(steps))
     plan = ContractionPlan(expr=expr if expr is not None else parser.describe(terms, out),
                            inputs=[tuple(t) for t in terms], output=tuple(out), shapes=shapes, dtype=dtype,
                            device_type=device_type, network=network, path=path, sliced=sliced,
@@ -503,13 +511,19 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     if hoist and HOIST and slicing_.cap is not None and plan.num_slices > 1:
         _hoist(plan, slicing_.cap)
     if max_overhead is not None and plan.flops > max_overhead * max(plan.unsliced_flops, 1):
-        unsliced_largest = _unsliced_largest(steps, unsplit_sizes)
+        unsliced_largest = _unsliced_largest(steps, unsplit.sizes)
+        why = f"the unsliced largest intermediate is {format_bytes(unsliced_largest * itemsize)}"
+        if limit is not None and unsliced_largest <= limit_elems:
+            # every intermediate fits: the backward's checkpoints of a long path do not
+            need = _checkpointed_limit(unsplit, path, steps, itemsize, dtype.is_complex)
+            why = (f"every intermediate fits it unsliced, but the backward of {len(steps)} steps needs about "
+                   f"{format_bytes(need * itemsize)} to hold its checkpoints unsliced, and slicing shrinks "
+                   f"them little")
         raise ValueError(
             f"this plan is too expensive: {plan.num_slices} slices cost {plan.flops:.3g} FLOPs, "
             f"{plan.flops / max(plan.unsliced_flops, 1):.3g}x the unsliced {plan.unsliced_flops:.3g} "
             f"(estimated {_seconds(plan.estimated_seconds(False))} forward on {device_type}); raise "
-            f"memory_limit (now {format_bytes(limit) if limit is not None else None}; the unsliced largest "
-            f"intermediate is {format_bytes(unsliced_largest * itemsize)}), slice fewer "
+            f"memory_limit (now {format_bytes(limit) if limit is not None else None}; {why}), slice fewer "
             f"modes, or pass max_overhead=None to create it anyway and contract slice groups of it lazily")
     plan.plan_s = time.perf_counter() - t0
     return plan
@@ -666,6 +680,22 @@ def _copies_of(inputs, output, sizes, path, sliced, itemsize, is_complex):
 
 def _unsliced_largest(steps, sizes) -> int:
     return slicer.step_costs(steps, sizes, ()).largest
+
+
+def _checkpointed_limit(network, path, steps, itemsize, is_complex) -> int:
+    """The least ``memory_limit`` (elements) at which the unsliced path's modelled backward fits
+    with one level of checkpoints: what a chain of many small steps needs however it is sliced,
+    about ``result x 2 sqrt(steps)``."""
+    costs = slicer.step_costs(steps, network.sizes, ())
+    copies = _copies(network, path, (), itemsize, is_complex)
+    lo, hi = 1, max(1, slicer.place_checkpoints(costs, None, copies, is_complex)[0])
+    while lo < hi:  # the least cap that place_checkpoints meets (fitting is monotone in the cap)
+        mid = (lo + hi) // 2
+        if slicer.place_checkpoints(costs, mid, copies, is_complex)[0] <= mid:
+            hi = mid
+        else:
+            lo = mid + 1
+    return math.ceil(lo / slicer.MODEL_CAP)
 
 
 # ---------------------------------------------------------------------------- cache

@@ -473,7 +473,14 @@ def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: int, min_slice
     return splits, sliced
 
 
-def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dict[int, int], List[int]]:
+# split_to_fit tries at most this many modes per round (those in the most intermediate
+# elements): each try is a checkpoint placement, linear in the steps, and a long chain of
+# steps has a candidate mode per step.
+MAX_SPLIT_CANDIDATES = 32
+
+
+def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of,
+                 max_macs: Optional[float] = None) -> Tuple[Dict[int, int], List[int]]:
     """Further slicing until ``peak_of(costs)`` (the modelled peak, elements, and the
     recomputed multiply-adds of one slice with those :class:`StepCosts`) is within ``cap``:
     ``(splits, whole)`` with ``splits[m]`` the number of chunks mode ``m`` is sliced in (its
@@ -483,8 +490,10 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
     sliced whole) and takes the choice that fits with the least work
     (:func:`slicing_work`), or, when none fits yet, the least extra work per memory saved
     (log work ratio over log peak ratio). Output modes are sliced whole only (their chunks
-    would be output blocks). Candidates: modes of the larger intermediates. Stops when nothing
-    lowers the peak (the caller reports the modelled peak)."""
+    would be output blocks). Candidates: modes of the larger intermediates, at most
+    :data:`MAX_SPLIT_CANDIDATES` (those in the most intermediate elements). Stops when nothing
+    lowers the peak (the caller reports the modelled peak), or when the slices' multiply-adds
+    pass ``max_macs`` (slicing more only adds work: the caller refuses the plan)."""
     sizes = dict(sizes)
     sset = set(sliced)
     nslices = math.prod(sizes[m] for m in sliced)
@@ -497,9 +506,14 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of) -> Tuple[Dic
     res_sets = [res for _, res, _, _ in steps]
     where = mode_steps(steps)
     while peak > cap:
+        if max_macs is not None and costs.flops() * nslices > max_macs:
+            break
         largest = max(costs.result)
         cands = sorted({m for j, r in enumerate(res_sets) if 16 * costs.result[j] >= largest for m in r
                         if m not in sset and sizes[m] > 1})
+        if len(cands) > MAX_SPLIT_CANDIDATES:
+            held = {m: sum(costs.result[j] for j in where[m][1]) for m in cands}
+            cands = sorted(sorted(cands, key=lambda m: -held[m])[:MAX_SPLIT_CANDIDATES])
         best = None
         for m in cands:
             e = sizes[m]
