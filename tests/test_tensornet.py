@@ -487,6 +487,24 @@ def test_long_chain_under_a_tiny_limit_is_refused_quickly(monkeypatch):
     _close(p.contract(*ops), tn.plan(*args, optimize="greedy").contract(*ops), rtol=1e-5, atol=0)
 
 
+@pytest.mark.parametrize("optimize", ["greedy", "auto"])
+def test_limits_past_int64_slices_are_refused(optimize):
+    """Limits so small that slicing to them takes more than 2^62 slices (the executor numbers
+    slices in int64) are refused by name: the compiler raised OverflowError, and a search whose
+    every tree was unplannable raised KeyError from inside cotengra."""
+    from torch_gradops.testing import lattice_network, mps_network
+
+    for network, limit in ((mps_network(200, bond=16), "512B"), (lattice_network(4, 4, 32), "64B")):
+        inputs, out, ops = network
+        with pytest.raises(ValueError, match="memory_limit cannot be met within 2\\^62 slices"):
+            tn.plan(*interleave(inputs, ops, out), memory_limit=limit, optimize=optimize, max_overhead=None)
+    gen = torch.Generator().manual_seed(3)
+    _, args = _ring_of(64, gen)
+    assert tn.plan(*args, slicing=list(range(62)), optimize="greedy", max_overhead=None).num_slices == 2 ** 62
+    with pytest.raises(ValueError, match="slicing: more than 2\\^62 slices"):
+        tn.plan(*args, slicing=list(range(63)), optimize="greedy", max_overhead=None)
+
+
 def test_forced_slicing_and_optimizers():
     gen = torch.Generator().manual_seed(9)
     expr, ops = _ladder(gen)

@@ -162,6 +162,7 @@ class PlanObjective(FlopsObjective):
 
     __slots__ = ("score_tree", "top", "seen")
     TOP = 4  # trees kept for the exact selection (the score is a proxy)
+    UNPLANNABLE = 1e6  # the score (log2 work) of a tree the planner cannot slice to the limit
 
     def __init__(self, score_tree: Callable):
         super().__init__()
@@ -173,7 +174,9 @@ class PlanObjective(FlopsObjective):
         try:
             work = self.score_tree(trial["tree"])
         except (ValueError, KeyError):
-            return math.inf
+            # finite: a search whose every trial is unplannable (too many slices) must still
+            # return a tree (cotengra keeps none scored inf), for the planner's error to name
+            return self.UNPLANNABLE
         self.seen += 1
         self.top.append((work, self.seen, trial["tree"]))
         self.top.sort(key=lambda x: (x[0], x[1]))
@@ -232,6 +235,14 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
     c_sizes = {sym[m]: e for m, e in sizes.items()}
     if not isinstance(optimizers, list):
         optimizers = [optimizers]
+    if score is not None:
+        exact = score
+
+        def score(tree):  # a tree that cannot be planned (too many slices) loses
+            try:
+                return exact(tree)
+            except ValueError:
+                return math.inf
     searched, best, t0 = False, None, time.perf_counter()
     for j, optimizer in enumerate(optimizers):
         if isinstance(optimizer, dict) and cache_dir is not None:

@@ -25,7 +25,7 @@ import torch
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
            "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
-           "slicing_work", "STEP_OVERHEAD_MACS", "Slices"]
+           "slicing_work", "STEP_OVERHEAD_MACS", "MAX_SLICES", "Slices"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
 # BACKWARD_FACTOR * L beyond the operands, their gradients and the output, whatever the number
@@ -34,6 +34,8 @@ __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "
 # temporaries of ATen ops).
 BACKWARD_FACTOR = 4
 MODEL_CAP = 3.5
+# The most slices a plan can have: the executor numbers slices (and sizes them) in int64.
+MAX_SLICES = 1 << 62
 
 
 # ---------------------------------------------------------------------------- memory limits
@@ -356,6 +358,15 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
     <= 0 (the mode that lowers it most). Every unsliced mode of extent > 1 that occurs in a
     step or the output is a candidate, so the limit can always be met with ``limit_elems >= 1``."""
     sliced = list(forced)
+
+    def too_many():
+        if limit_elems is None:
+            return ValueError("slicing: more than 2^62 slices, the most a plan can have")
+        return ValueError(f"memory_limit cannot be met within 2^62 slices (the most a plan can have): "
+                          f"{limit_elems} elements per intermediate is too few for this network; raise it")
+
+    if math.prod(sizes[m] for m in sliced) > MAX_SLICES:
+        raise too_many()
     if limit_elems is None and (min_slices or 1) <= 1 and fits is None:
         return sliced  # nothing to meet: the forced modes only
     sset = set(sliced)
@@ -407,6 +418,8 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
                 key = (max(fits(s2, StepCosts(steps, sizes, s2)), 0.0), total, -e)
             if best_key is None or key < best_key:
                 best, best_key = m, key
+        if nslices * sizes[best] > MAX_SLICES:
+            raise too_many()
         sliced.append(best)
         sset.add(best)
         e = sizes[best]
@@ -518,6 +531,8 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of,
         for m in cands:
             e = sizes[m]
             for f in ([e] if m in out else _divisors(e)[:1]):  # halved (a split mode may be split again)
+                if nslices * f > MAX_SLICES:
+                    continue
                 c2 = costs.rescaled(where[m], e, 1 if f == e else e // f)
                 pk, rc = peak_of(c2)
                 if pk >= peak:
