@@ -95,6 +95,38 @@ def test_random_expressions_sliced_match_einsum(seed):
     _check_against_einsum(expr, ops, plan=p)
 
 
+def test_random_networks_under_memory_limits_match_einsum():
+    """Random networks of 4-12 tensors (hyperedges, repeated modes, open modes; real and
+    complex) planned under a memory limit of 1/1 to 1/64 of their unsliced largest
+    intermediate with each optimizer: slicing, mode chunks, checkpoints and hoisting in every
+    combination the planner picks, value and gradients against torch.einsum."""
+    kinds = {}
+    for seed in range(24):
+        rng = random.Random(7000 + seed)
+        labels = rng.sample(string.ascii_letters, rng.randint(4, 14))
+        extent = {m: rng.choice([2, 2, 3, 4, 5, 6]) for m in labels}
+        terms = [rng.sample(labels, k) if rng.random() < 0.9 else [rng.choice(labels) for _ in range(k)]
+                 for k in (rng.randint(1, 4) for _ in range(rng.randint(4, 12)))]
+        out = [m for m in sorted({m for t in terms for m in t}) if rng.random() < 0.2]
+        expr = ",".join("".join(t) for t in terms) + "->" + "".join(out)
+        dtype = torch.complex128 if rng.random() < 0.3 else F64
+        gen = torch.Generator().manual_seed(seed)
+        ops = [_rand(tuple(extent[m] for m in t), dtype=dtype, gen=gen) for t in terms]
+        largest = tn.plan(expr, *ops).largest_intermediate[1]
+        limit = max(16, largest // rng.choice([1, 2, 4, 8, 16, 64]))
+        try:
+            p = tn.plan(expr, *ops, memory_limit=limit, optimize=rng.choice(["auto", "greedy", "cotengra"]))
+        except ValueError as e:
+            assert "too expensive" in str(e)
+            continue
+        assert p.largest_intermediate[1] <= limit
+        key = (p.num_slices > 1, p.hoisted is not None, len(p.checkpoints) > 0)
+        kinds[key] = kinds.get(key, 0) + 1
+        _check_against_einsum(expr, ops, plan=p)
+    # the seeds cover sliced plans with checkpoints and hoisted ones
+    assert kinds.get((True, False, True)) and any(h for (_, h, _) in kinds), kinds
+
+
 # ---------------------------------------------------------------------------- edge cases
 EDGE = [
     ("ii->", [(4, 4)]),                       # trace
