@@ -537,6 +537,30 @@ def test_limits_past_int64_slices_are_refused(optimize):
         tn.plan(*args, slicing=list(range(63)), optimize="greedy", max_overhead=None)
 
 
+def test_plan_checks_operands_against_what_it_was_made_for():
+    """Shapes must match the plan's; under a memory_limit the dtype may be the plan's or
+    narrower (wider or complex elements would break the limit its memory model counted), and
+    without one any dtype runs (the value as torch.einsum's)."""
+    gen = torch.Generator().manual_seed(5)
+    a, b, c = _rand((30, 40), gen=gen), _rand((40, 50), gen=gen), _rand((50, 30), gen=gen)
+    expr = "ab,bc,ca->"
+    limited = tn.plan(expr, (30, 40), (40, 50), (50, 30), dtype=torch.float32, memory_limit=2048)
+    assert limited.num_slices > 1
+    with pytest.raises(ValueError, match="operand 1 has shape \\(40, 51\\) but the plan was made for \\(40, 50\\)"):
+        limited.contract(a.float(), _rand((40, 51)).float(), c.float())
+    for dtype in (F64, torch.complex64):
+        with pytest.raises(ValueError, match=f"operands of dtype {dtype} on a plan made for torch.float32 under "
+                                             "memory_limit=2.0 KiB: their wider elements would exceed it"):
+            limited.contract(a.to(dtype), b.to(dtype), c.to(dtype))
+    with pytest.raises(ValueError, match="operands of dtype torch.float64"):  # promotion counts
+        limited.contract(a.float(), b, c.float())
+    ref = torch.einsum(expr, a, b, c)
+    _close(limited.contract(a.float(), b.float(), c.float()).double(), ref, rtol=1e-4, atol=1e-3)
+    _close(limited.contract(a.half(), b.half(), c.half()).double(), ref, rtol=5e-2, atol=1.0)
+    unlimited = tn.plan(expr, (30, 40), (40, 50), (50, 30), dtype=torch.float32)
+    _close(unlimited.contract(a, b, c), ref)
+
+
 def test_forced_slicing_and_optimizers():
     gen = torch.Generator().manual_seed(9)
     expr, ops = _ladder(gen)
