@@ -1685,6 +1685,27 @@ def test_hoisted_plan_under_torch_compile():
         _close(a, b)
 
 
+def test_hoisting_a_subtree_thousands_of_steps_deep():
+    """A 1200-tensor MPS norm sliced on its first bond: the invariant subtrees are chains of
+    about 1200 steps, deeper than Python's recursion limit (_hoist walked them recursively and
+    raised RecursionError). Value and a gradient against the unhoisted plan."""
+    from torch_gradops.testing import mps_network
+
+    inputs, out, ops = mps_network(1200, bond=4, dtype=F64)
+    args = interleave(inputs, ops, out)
+    p = tn.plan(*args, slicing=[inputs[0][-1]], memory_limit="1MiB", optimize="greedy")
+    assert p.hoisted is not None and p.num_slices == 4
+    leaves = [o.clone().requires_grad_(True) for o in ops]
+    value = p.contract(*leaves)
+    with _without_hoisting():
+        q = tn.plan(*args, slicing=[inputs[0][-1]], memory_limit="1MiB", optimize="greedy")
+        ref_leaves = [o.clone().requires_grad_(True) for o in ops]
+        ref = q.contract(*ref_leaves)
+    _close(value, ref, rtol=1e-10, atol=0)
+    (g,), (g_ref,) = torch.autograd.grad(value, leaves[600:601]), torch.autograd.grad(ref, ref_leaves[600:601])
+    _close(g, g_ref, rtol=1e-10, atol=1e-300)
+
+
 def test_hoisting_cuts_the_work_of_a_real_lattice_within_the_memory_contract():
     # the 5x5 bond-16 lattice of the benchmarks at 4 MiB: about 15% of a slice's multiply-adds
     # are the same in every one of its 32 slices

@@ -603,32 +603,20 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
 
     def leaves_and_path(root):
         """The subtree's operands (left to right), its SSA path over them and its multiply-adds
-        per slice."""
-        leaves, ssa, ids, macs = [], [], {}, [0]
-
-        def walk(u):
+        per slice. Iterative: an invariant subtree can be a chain thousands of steps deep."""
+        leaves, order, macs, stack = [], [], 0, [(root, False)]
+        while stack:  # post-order, left subtree first: the order of the path's own steps
+            u, ready = stack.pop()
             if u < n_ops:
-                ids[u] = len(leaves)
                 leaves.append(u)
-                return
-            macs[0] += costs.macs[u - n_ops]
-            x, y = children[u - n_ops]
-            walk(x)
-            walk(y)
-        walk(root)
-        nxt = len(leaves)
-
-        def emit(u):
-            nonlocal nxt
-            if u < n_ops:
-                return ids[u]
-            x, y = children[u - n_ops]
-            i, j = emit(x), emit(y)
-            ssa.append((i, j))
-            nxt += 1
-            return nxt - 1
-        emit(root)
-        return leaves, ssa_to_linear(ssa), macs[0]
+            elif ready:
+                order.append(u)
+                macs += costs.macs[u - n_ops]
+            else:
+                x, y = children[u - n_ops]
+                stack += [(u, True), (y, False), (x, False)]
+        ids = {u: k for k, u in enumerate(leaves + order)}  # SSA ids: the leaves, then each step's result
+        return leaves, ssa_to_linear([tuple(ids[c] for c in children[u - n_ops]) for u in order]), macs
 
     kw = dict(dtype=plan.dtype, device_type=plan.device_type, memory_limit=plan.memory_limit, slicing=None,
               interleaved=True, max_overhead=None, hoist=False)
