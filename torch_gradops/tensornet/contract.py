@@ -51,14 +51,6 @@ def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize
     return p
 
 
-def _promoted_dtype(tensors) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        if t.dtype != dtype:
-            dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
 def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_limit=None,
          optimize="auto", slicing=None, device=None, path_cache=None, max_overhead=1e4) -> ContractionPlan:
     """Plan a contraction (cached: the same arguments return the same plan, with no search).
@@ -103,7 +95,7 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     if tensors:
         parser.check_operands(tensors)
         if dtype is None:
-            dtype = _promoted_dtype(tensors)
+            dtype = parser.promoted_dtype(tensors)
         device = tensors[0].device if device is None else torch.device(device)
     dtype = dtype or torch.get_default_dtype()
     device = torch.device(device or "cpu")
@@ -122,7 +114,7 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
         if plan is None:
             parser.check_operands(operands)
             shapes = [tuple(op.shape) for op in operands]
-            dtype = _promoted_dtype(operands)
+            dtype = parser.promoted_dtype(operands)
             key = _plan_key(expr, None, None, shapes, dtype, operands[0].device.type, memory_limit, optimize,
                             slicing, max_overhead)
             plan = PLANS.get(key)  # fast path: no parsing on a cache hit
@@ -134,7 +126,7 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
         operands, terms, output = parser.split_interleaved(args)
         if plan is None:
             parser.check_operands(operands)
-            plan = _get_plan(None, terms, output, [tuple(op.shape) for op in operands], _promoted_dtype(operands),
+            plan = _get_plan(None, terms, output, [tuple(op.shape) for op in operands], parser.promoted_dtype(operands),
                              operands[0].device, memory_limit, optimize, slicing, True, path_cache, max_overhead)
     if not isinstance(plan, ContractionPlan):
         raise TypeError(f"plan must be a ContractionPlan, got {type(plan).__name__}")

@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 __all__ = ["EllipsisDim", "ModeChunks", "Network", "split_modes", "parse_string", "split_interleaved", "normalize_labels", "network_of",
-           "preprocess", "check_operands", "shapes_of", "label_str", "describe"]
+           "promoted_dtype", "preprocess", "check_operands", "shapes_of", "label_str", "describe"]
 
 
 class EllipsisDim:
@@ -386,10 +386,18 @@ def apply_steps(t: torch.Tensor, steps: Sequence[tuple]) -> torch.Tensor:
     return t
 
 
-def preprocess(operands: Sequence[torch.Tensor], pre) -> List[torch.Tensor]:
-    """Promote the operands to one dtype and apply each one's preprocessing (differentiable views)."""
-    dtype = operands[0].dtype
-    for op in operands[1:]:
-        dtype = torch.promote_types(dtype, op.dtype)
+def promoted_dtype(tensors: Sequence[torch.Tensor]) -> torch.dtype:
+    """The dtype the operands are contracted in: their promotion (as torch's binary ops)."""
+    dtype = tensors[0].dtype
+    for t in tensors[1:]:
+        if t.dtype != dtype:
+            dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def preprocess(operands: Sequence[torch.Tensor], pre, dtype: Optional[torch.dtype] = None) -> List[torch.Tensor]:
+    """Promote the operands to one dtype (``dtype``: their :func:`promoted_dtype`, when the
+    caller has it) and apply each one's preprocessing (differentiable views)."""
+    dtype = promoted_dtype(operands) if dtype is None else dtype
     out = [op if op.dtype == dtype else op.to(dtype) for op in operands]
     return [t if steps is None else apply_steps(t, steps) for t, steps in zip(out, pre)]

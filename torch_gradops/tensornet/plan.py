@@ -129,14 +129,14 @@ class ContractionPlan:
             if tuple(op.shape) != shape:
                 raise ValueError(f"operand {i} has shape {tuple(op.shape)} but the plan was made for {shape}")
         check_backend(operands[0], "operand 0")
+        dtype = parser.promoted_dtype(operands)
         if self.memory_limit is not None:
             # the memory model counted this plan's element size: wider elements break its limit
-            dtype = functools.reduce(torch.promote_types, (op.dtype for op in operands))
             if dtype.itemsize > self.itemsize or (dtype.is_complex and not self.dtype.is_complex):
                 raise ValueError(f"operands of dtype {dtype} on a plan made for {self.dtype} under memory_limit="
                                  f"{format_bytes(self.memory_limit)}: their wider elements would exceed it; make the "
                                  f"plan for {dtype} (from the operands, or plan(..., dtype={dtype}))")
-        return parser.preprocess(operands, self.network.pre)
+        return parser.preprocess(operands, self.network.pre, dtype)
 
     # -- running ----------------------------------------------------------------------------
     def contract(self, *operands, slices=None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
