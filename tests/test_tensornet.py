@@ -16,7 +16,7 @@ from torch_gradops import tensornet as tn
 from torch_gradops.tensornet import autograd as tn_autograd
 from torch_gradops.tensornet.compiler import compile_program
 from torch_gradops.tensornet.program import Checkpoint, Contract, decode
-from torch_gradops.testing import circuit_amplitude_network, einsum_pairwise, interleave, lattice_network
+from torch_gradops.testing import circuit_amplitude_network, einsum_pairwise, interleave, lattice_network, mps_network
 from torch_gradops.testing import peak_allocated_bytes as _peak_bytes
 
 F64, C128 = torch.float64, torch.complex128
@@ -502,7 +502,6 @@ def test_long_chain_under_a_tiny_limit_is_refused_quickly(monkeypatch):
     checkpoints need; that limit gives an unsliced plan."""
     import re
     from torch_gradops.tensornet import slicer
-    from torch_gradops.testing import mps_network
 
     inputs, out, ops = mps_network(400, bond=4)
     args = interleave(inputs, ops, out)
@@ -524,8 +523,6 @@ def test_limits_past_int64_slices_are_refused(optimize):
     """Limits so small that slicing to them takes more than 2^62 slices (the executor numbers
     slices in int64) are refused by name: the compiler raised OverflowError, and a search whose
     every tree was unplannable raised KeyError from inside cotengra."""
-    from torch_gradops.testing import lattice_network, mps_network
-
     for network, limit in ((mps_network(200, bond=16), "512B"), (lattice_network(4, 4, 32), "64B")):
         inputs, out, ops = network
         with pytest.raises(ValueError, match="memory_limit cannot be met within 2\\^62 slices"):
@@ -1689,8 +1686,6 @@ def test_hoisting_a_subtree_thousands_of_steps_deep():
     """A 1200-tensor MPS norm sliced on its first bond: the invariant subtrees are chains of
     about 1200 steps, deeper than Python's recursion limit (_hoist walked them recursively and
     raised RecursionError). Value and a gradient against the unhoisted plan."""
-    from torch_gradops.testing import mps_network
-
     inputs, out, ops = mps_network(1200, bond=4, dtype=F64)
     args = interleave(inputs, ops, out)
     p = tn.plan(*args, slicing=[inputs[0][-1]], memory_limit="1MiB", optimize="greedy")
