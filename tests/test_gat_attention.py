@@ -541,6 +541,14 @@ def test_cuda_tensor_without_cuda_build_is_a_clear_error(monkeypatch):
         lib.check_backend(x, "x_src")
 
 
+def test_build_facts_trace_under_torch_compile():
+    # The wrappers ask built_with_cuda() for every CUDA input; Dynamo cannot trace into the
+    # pybind function, so a compiled CUDA model broke its graph there (seen on an H100).
+    f = torch.compile(lambda t: t + 1 if tg.built_with_cuda() else t - 1, fullgraph=True, backend="eager")
+    expected = 2.0 if tg.built_with_cuda() else 0.0
+    assert f(torch.ones(1)).item() == expected
+
+
 def test_opcheck():
     ei, ns, nd = make_graph("random")
     graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)

@@ -618,6 +618,10 @@ def assert_compiled_transform_matches(transform, inputs, fns_of):
     tangents = tuple(torch.randn(t.shape, generator=gen, dtype=t.dtype) for t in inputs)
     make = _transform_cases(tangents)[transform]
     for return_attention in (False, True):
+        if return_attention and transform == "jacrev" and torch.__version__ < "2.14":
+            # torch < 2.14's jacrev of several outputs reads its basis offsets from a tensor
+            # (_chunked_standard_basis_for_), which Dynamo cannot specialise
+            continue
         ours, ref = fns_of(return_attention)
         torch._dynamo.reset()
         got = torch.compile(make(ours), fullgraph=True, backend="aot_eager")(*inputs)

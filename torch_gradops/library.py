@@ -11,11 +11,14 @@ except ImportError as exc:  # pragma: no cover - only when the extension was not
         "`pip install --no-build-isolation -e .`") from exc
 
 ops = torch.ops.torch_gradops
+# Read once: torch.compile cannot trace into the pybind function, and the ops' wrappers ask on
+# every CUDA call (check_backend).
+_WITH_CUDA = bool(_C.with_cuda())
 
 
 def built_with_cuda() -> bool:
     """True if the CUDA kernels were compiled into this build."""
-    return bool(_C.with_cuda())
+    return _WITH_CUDA
 
 
 def check_backend(tensor: torch.Tensor, name: str) -> None:

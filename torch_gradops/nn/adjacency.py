@@ -213,7 +213,10 @@ def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):
         src, dst, _ = edge_list(edge_index)
         E = src.numel()
         keep = src != dst
-        alpha = torch.cat([alpha[:E][keep], alpha[E:]])
+        # One nonzero for every selection by `keep`: under torch.compile each boolean mask gets
+        # its own unbacked size, and torch 2.11's Inductor fails unifying two of them.
+        kept = keep.nonzero().view(-1)
+        alpha = torch.cat([alpha[:E].index_select(0, kept), alpha[E:]])
     if isinstance(edge_index, SparseTensor):
         adj = torch_sparse.set_diag(edge_index) if num_loops is not None else edge_index
         if num_loops is not None:
@@ -242,7 +245,11 @@ def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):
         adj = build(full[:, order], None, size)
         return set_sparse_value(adj, alpha), alpha
     if num_loops is not None:
-        # The exact edge_index PyG returns (type included, e.g. EdgeIndex), from its own utils.
-        edge_index, _ = remove_self_loops(edge_index)
+        # The exact edge_index PyG returns (type included, e.g. EdgeIndex), from its own utils;
+        # a plain Tensor loses its loops by `kept` (what remove_self_loops selects).
+        if type(edge_index) is Tensor:
+            edge_index = edge_index.index_select(1, kept)
+        else:
+            edge_index, _ = remove_self_loops(edge_index)
         edge_index, _ = add_self_loops(edge_index, num_nodes=num_loops)
     return edge_index, alpha

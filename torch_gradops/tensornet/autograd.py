@@ -49,6 +49,8 @@ def _engine_needs(ctx, needs):
     ``torch.autograd.grad(inputs=subset)`` an operand whose branch is not needed costs nothing.
     (The engine cannot tell this for leaf operands under autograd.grad; those count as needed.)"""
     needs = list(needs)
+    if torch.compiler.is_compiling():  # traced ahead of time: no engine to ask (torch 2.11 raises)
+        return needs
     try:
         nexts = ctx.next_functions
     except AttributeError:

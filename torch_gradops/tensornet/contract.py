@@ -27,11 +27,7 @@ def _freeze(x):
         return tuple(_freeze(v) for v in x)
     if isinstance(x, dict):
         return tuple(sorted((k, _freeze(v)) for k, v in x.items()))
-    try:
-        hash(x)
-        return x
-    except TypeError:
-        return ("id", id(x))
+    return x if parser.is_hashable(x) else ("id", id(x))
 
 
 def _plan_key(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing, max_overhead):

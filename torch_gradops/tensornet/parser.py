@@ -98,6 +98,22 @@ def _is_label_list(x) -> bool:
     return isinstance(x, (list, tuple)) and not isinstance(x, torch.Tensor)
 
 
+# Labels and option values of these types are hashable without asking hash(), which torch.compile
+# could not trace before torch 2.14 (a graph break under fullgraph=True).
+_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+
+
+def is_hashable(x) -> bool:
+    """Whether ``x`` can be a dict key (a mode label, part of the plan cache's key)."""
+    if isinstance(x, _PLAIN):
+        return True
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
 def split_interleaved(args):
     """``(a, modes_a, b, modes_b, ..., [out_modes])`` -> ``(operands, terms, output or None)``."""
     operands, terms = [], []
@@ -108,11 +124,8 @@ def split_interleaved(args):
             raise TypeError(f"interleaved form: the modes of operand {k} must be a list or tuple of "
                             f"hashable labels, got {type(modes).__name__}")
         for lab in modes:
-            if lab is not Ellipsis:
-                try:
-                    hash(lab)
-                except TypeError:
-                    raise TypeError(f"interleaved form: mode label {lab!r} of operand {k} is not hashable") from None
+            if lab is not Ellipsis and not is_hashable(lab):
+                raise TypeError(f"interleaved form: mode label {lab!r} of operand {k} is not hashable")
         operands.append(op)
         terms.append(list(modes))
     output = None
