@@ -6,7 +6,10 @@
 #     build      pip install --no-build-isolation --no-deps -e . for the visible GPU's architecture
 #     smoke      scripts/cuda_smoke.py: every kernel once, checked against the CPU kernels
 #     cuda-tests pytest -m cuda (the CUDA cases of the test suite)
-#     suite      the whole test suite with the GPU visible
+#     suite      the whole test suite with the GPU visible (pytest-xdist's 8 workers where it is
+#                installed: a worker that crashes is replaced and the run goes on)
+#     errors     scripts/cuda_error_probe.py: argument errors raised inside the compiled ops, each in
+#                a fresh process (a segmentation fault there ended the suite on the H100)
 #     sanitize   compute-sanitizer memcheck, racecheck, synccheck, initcheck on cuda_smoke.py --small
 #     peers      build the source distributions in .whl/ (turbo-gnn: CUDA GNN kernels, a GATv2 peer)
 #                into /tmp/torch_gradops_site
@@ -37,9 +40,9 @@ SUMMARY="$LOGDIR/summary.txt"
 [ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
 for s in "$@"; do
   case "$s" in
-    build|smoke|cuda-tests|suite|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
+    build|smoke|cuda-tests|suite|errors|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
     bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced|__sanitize) ;;
-    *) echo "unknown stage: $s (build smoke cuda-tests suite sanitize peers bench-gat bench-gat-bf16" \
+    *) echo "unknown stage: $s (build smoke cuda-tests suite errors sanitize peers bench-gat bench-gat-bf16" \
             "bench-gatv2 bench-conv bench-tn-lattice bench-tn-circuit bench-tn-unsliced)" >&2; exit 2 ;;
   esac
 done
@@ -92,7 +95,9 @@ for s in "$@"; do
              || break ;;
     smoke) stage smoke 300 "$PY" scripts/cuda_smoke.py ;;
     cuda-tests) stage cuda-tests 420 "$PY" -m pytest -q -m cuda -p no:cacheprovider ;;
-    suite) stage suite 540 "$PY" -m pytest -q -p no:cacheprovider ;;
+    suite) workers=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null)
+           stage suite 540 "$PY" -m pytest -q -p no:cacheprovider $workers ;;
+    errors) stage errors 120 "$PY" scripts/cuda_error_probe.py ;;
     sanitize) stage sanitize 540 bash "$0" __sanitize ;;
     peers) stage peers 540 bash -c '[ -z "$(ls .whl/*.tar.gz 2>/dev/null)" ] || "$0" -m pip install --no-build-isolation \
              --no-deps --no-cache-dir --target /tmp/torch_gradops_site .whl/*.tar.gz' "$PY" ;;

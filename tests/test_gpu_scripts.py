@@ -1,6 +1,6 @@
-"""The GPU validation scripts (scripts/cuda_smoke.py, scripts/gpu_session.sh) stay runnable
-where no GPU is: CI never has one, and a lent GPU machine's minutes must not go to a broken
-script."""
+"""The GPU validation scripts (scripts/cuda_smoke.py, cuda_error_probe.py, gpu_session.sh) stay
+runnable where no GPU is: CI never has one, and a lent GPU machine's minutes must not go to a
+broken script."""
 import json
 import os
 import subprocess
@@ -37,6 +37,15 @@ def test_cuda_smoke_checks_can_fail():
     cuda_smoke.check("fine", torch.ones(3) * (1 + 1e-5), torch.ones(3), torch.float32)
     assert [f.split(":")[0] for f in cuda_smoke.FAILURES] == ["off", "shape", "nan", "bits"]
     cuda_smoke.FAILURES.clear()
+
+
+def test_error_probe_runs_on_the_cpu():
+    """scripts/cuda_error_probe.py (the gpu_session `errors` stage) on its GPU-free cases: the
+    op's and the contraction compiler's argument errors arrive as Python exceptions."""
+    r = _run([sys.executable, "scripts/cuda_error_probe.py", "--cpu-only"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    lines = r.stdout.splitlines()
+    assert len(lines) == 2 and all(line.endswith(": raised") for line in lines), r.stdout
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="bash script")
