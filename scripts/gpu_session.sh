@@ -97,7 +97,7 @@ for s in "$@"; do
     cuda-tests) stage cuda-tests 420 "$PY" -m pytest -q -m cuda -p no:cacheprovider ;;
     suite) workers=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null)
            stage suite 540 "$PY" -m pytest -q -p no:cacheprovider $workers ;;
-    errors) stage errors 120 "$PY" scripts/cuda_error_probe.py ;;
+    errors) stage errors 300 "$PY" scripts/cuda_error_probe.py ;;
     sanitize) stage sanitize 540 bash "$0" __sanitize ;;
     peers) stage peers 540 bash -c '[ -z "$(ls .whl/*.tar.gz 2>/dev/null)" ] || "$0" -m pip install --no-build-isolation \
              --no-deps --no-cache-dir --target /tmp/torch_gradops_site .whl/*.tar.gz' "$PY" ;;

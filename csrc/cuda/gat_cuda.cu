@@ -21,7 +21,9 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "../gat.h"
 
@@ -69,7 +71,11 @@ __device__ __forceinline__ void check_edge_range(int64_t e0, int64_t e1, int64_t
   CUDA_KERNEL_ASSERT((node != nodes - 1 || e1 == E) && "edge pointers must end at E");
 }
 
-template <typename scalar_t, typename index_t>
+// kEdgeBatch: edges whose source ids, scores and rows a thread loads before it folds any of them
+// into the online softmax, so that kEdgeBatch row gathers are in flight per thread instead of one
+// after another (the sequential walk was latency-bound). The folding order, and so every result
+// bit, is the same for every kEdgeBatch.
+template <typename scalar_t, typename index_t, int kEdgeBatch>
 __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ as,
                                    const scalar_t* __restrict__ ad, const scalar_t* __restrict__ el,
                                    const bool* __restrict__ mk, const index_t* __restrict__ ptr,
@@ -90,21 +96,36 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_
     check_edge_range(e0, e1, i, num_dst, E);
     const acc_t adst = static_cast<acc_t>(ad[i * H + h]);
     acc_t run_max = neg_inf, run_sum = 0, acc = 0;
-    for (int64_t e = e0; e < e1; ++e) {
-      const int64_t j = idx[e];
-      CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
-      const acc_t s = leaky_relu(score_logit(as, el, j, e, h, H, adst), slope);
-      if (s > run_max) {  // rescale what was summed under the old maximum
-        const acc_t r = fast_exp(run_max - s);
-        run_sum *= r;
-        acc *= r;
-        run_max = s;
+    for (int64_t eb = e0; eb < e1; eb += kEdgeBatch) {
+      acc_t sb[kEdgeBatch], xb[kEdgeBatch];
+      bool kb[kEdgeBatch];
+#pragma unroll
+      for (int u = 0; u < kEdgeBatch; ++u) {
+        const int64_t e = eb + u;
+        if (e < e1) {
+          const int64_t j = idx[e];
+          CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
+          sb[u] = leaky_relu(score_logit(as, el, j, e, h, H, adst), slope);
+          xb[u] = static_cast<acc_t>(x[j * HC + f]);
+          kb[u] = mk ? mk[e * H + h] : true;
+        }
       }
-      // A -inf score (a masked edge) weighs 0, also when it comes first (run_max still -inf).
-      const acc_t p = s == neg_inf ? acc_t(0) : fast_exp(s - run_max);
-      run_sum += p;
-      const acc_t w = mk ? (mk[e * H + h] ? p * keep_scale : acc_t(0)) : p;
-      acc += w * static_cast<acc_t>(x[j * HC + f]);
+#pragma unroll
+      for (int u = 0; u < kEdgeBatch; ++u) {
+        if (eb + u >= e1) break;
+        const acc_t s = sb[u];
+        if (s > run_max) {  // rescale what was summed under the old maximum
+          const acc_t r = fast_exp(run_max - s);
+          run_sum *= r;
+          acc *= r;
+          run_max = s;
+        }
+        // A -inf score (a masked edge) weighs 0, also when it comes first (run_max still -inf).
+        const acc_t p = s == neg_inf ? acc_t(0) : fast_exp(s - run_max);
+        run_sum += p;
+        const acc_t w = mk ? (kb[u] ? p * keep_scale : acc_t(0)) : p;
+        acc += w * xb[u];
+      }
     }
     const bool empty = e0 == e1;
     out[i * HC + f] = static_cast<scalar_t>(empty ? acc_t(0) : acc / run_sum);
@@ -218,6 +239,16 @@ __global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
   }
 }
 
+// The forward's edge batch (see gat_forward_kernel): 4, or 1 (one edge at a time, the earlier
+// schedule) when TORCH_GRADOPS_CUDA_EDGE_BATCH=1, so both can be timed in one build.
+int forward_edge_batch() {
+  static const int batch = [] {
+    const char* v = std::getenv("TORCH_GRADOPS_CUDA_EDGE_BATCH");
+    return v != nullptr && std::string(v) == "1" ? 1 : 4;
+  }();
+  return batch;
+}
+
 template <typename T>
 T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
@@ -247,7 +278,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gat_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gat_forward_cuda_index", [&] {
-      gat_forward_kernel<scalar_t, index_t><<<grid, block, 0, stream>>>(
+      auto kernel = forward_edge_batch() == 1 ? gat_forward_kernel<scalar_t, index_t, 1>
+                                              : gat_forward_kernel<scalar_t, index_t, 4>;
+      kernel<<<grid, block, 0, stream>>>(
           a.x_src.data_ptr<scalar_t>(), a.a_src.data_ptr<scalar_t>(), a.a_dst.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(a.edge_logits), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
           a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
