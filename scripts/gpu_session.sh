@@ -16,6 +16,8 @@
 #     bench-gat, bench-gat-bf16, bench-gatv2, bench-conv
 #                the GPU benchmarks (JSON in benchmarks/results/*_cuda*.json): the GAT op at E = 2M,
 #                10M, 50M in float32 and bfloat16, the GATv2 op, GATConv/GATv2Conv against PyG's
+#     bench-gat-ab  the GAT op's forward at E = 10M and 50M with TORCH_GRADOPS_CUDA_EDGE_BATCH=1 (one
+#                edge at a time) and 4 (the default), alternating, three processes each (the log)
 #     bench-tn-lattice, bench-tn-circuit, bench-tn-unsliced
 #                benchmarks/tensornet_sliced.py on the GPU: sliced lattices and circuits against
 #                cotengra + autograd, unsliced circuits against torch.einsum / opt_einsum /
@@ -40,9 +42,9 @@ SUMMARY="$LOGDIR/summary.txt"
 [ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
 for s in "$@"; do
   case "$s" in
-    build|smoke|cuda-tests|suite|errors|sanitize|peers|bench-gat|bench-gat-bf16|bench-gatv2|bench-conv) ;;
+    build|smoke|cuda-tests|suite|errors|sanitize|peers|bench-gat|bench-gat-bf16|bench-gat-ab|bench-gatv2|bench-conv) ;;
     bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced|__sanitize) ;;
-    *) echo "unknown stage: $s (build smoke cuda-tests suite errors sanitize peers bench-gat bench-gat-bf16" \
+    *) echo "unknown stage: $s (build smoke cuda-tests suite errors sanitize peers bench-gat bench-gat-bf16 bench-gat-ab" \
             "bench-gatv2 bench-conv bench-tn-lattice bench-tn-circuit bench-tn-unsliced)" >&2; exit 2 ;;
   esac
 done
@@ -105,6 +107,11 @@ for s in "$@"; do
                  --out benchmarks/results/gat_attention_cuda.json ;;
     bench-gat-bf16) stage bench-gat-bf16 540 "$PY" benchmarks/gat_attention.py --device cuda --dtype bfloat16 \
                       --sizes $SIZES --out benchmarks/results/gat_attention_cuda_bf16.json ;;
+    bench-gat-ab) stage bench-gat-ab 540 bash -c 'for rep in 1 2 3; do for size in 500000:10000000 2500000:50000000; do
+                    for b in 1 4; do printf "edge_batch=%s nodes:edges=%s " "$b" "$size"
+                      TORCH_GRADOPS_CUDA_EDGE_BATCH=$b "$0" benchmarks/gat_attention.py --worker --impl op --mode fwd \
+                        --nodes "${size%%:*}" --edges "${size##*:}" --device cuda --repeats 10 || echo failed
+                    done; done; done' "$PY" ;;
     bench-gatv2) stage bench-gatv2 540 "$PY" benchmarks/gatv2_attention.py --device cuda \
                    --sizes 100000:2000000 500000:10000000 --out benchmarks/results/gatv2_attention_cuda.json ;;
     bench-conv) stage bench-conv 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gat \
