@@ -16,6 +16,9 @@
 #     bench-gat, bench-gat-bf16, bench-gatv2, bench-conv
 #                the GPU benchmarks (JSON in benchmarks/results/*_cuda*.json): the GAT op at E = 2M,
 #                10M, 50M in float32 and bfloat16, the GATv2 op, GATConv/GATv2Conv against PyG's
+#     bench-conv-scale
+#                GATConv against PyG's at E = 20M and 100M (PyG runs out of memory there; a full-batch
+#                layer of ours at E = 100M should fit in 80 GB)
 #     bench-gat-ab  the GAT op's forward at E = 10M and 50M with TORCH_GRADOPS_CUDA_EDGE_BATCH=1 (one
 #                edge at a time) and 4 (the default), alternating, three processes each (the log)
 #     bench-tn-lattice, bench-tn-circuit, bench-tn-unsliced
@@ -42,9 +45,9 @@ SUMMARY="$LOGDIR/summary.txt"
 [ $# -gt 0 ] || set -- build smoke cuda-tests sanitize
 for s in "$@"; do
   case "$s" in
-    build|smoke|cuda-tests|suite|errors|sanitize|peers|bench-gat|bench-gat-bf16|bench-gat-ab|bench-gatv2|bench-conv) ;;
+    build|smoke|cuda-tests|suite|errors|sanitize|peers|bench-gat|bench-gat-bf16|bench-gat-ab|bench-gatv2|bench-conv|bench-conv-scale) ;;
     bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced|__sanitize) ;;
-    *) echo "unknown stage: $s (build smoke cuda-tests suite errors sanitize peers bench-gat bench-gat-bf16 bench-gat-ab" \
+    *) echo "unknown stage: $s (build smoke cuda-tests suite errors sanitize peers bench-gat bench-gat-bf16 bench-gat-ab bench-conv-scale" \
             "bench-gatv2 bench-conv bench-tn-lattice bench-tn-circuit bench-tn-unsliced)" >&2; exit 2 ;;
   esac
 done
@@ -107,6 +110,9 @@ for s in "$@"; do
                  --out benchmarks/results/gat_attention_cuda.json ;;
     bench-gat-bf16) stage bench-gat-bf16 540 "$PY" benchmarks/gat_attention.py --device cuda --dtype bfloat16 \
                       --sizes $SIZES --out benchmarks/results/gat_attention_cuda_bf16.json ;;
+    bench-conv-scale) stage bench-conv-scale 540 "$PY" benchmarks/gat_conv.py --device cuda --layer gat \
+                        --sizes 1000000:20000000,5000000:100000000 --repeats 2 \
+                        --out benchmarks/results/gat_conv_cuda_scale.json ;;
     bench-gat-ab) stage bench-gat-ab 540 bash -c 'for rep in 1 2 3; do for size in 500000:10000000 2500000:50000000; do
                     for b in 1 4; do printf "edge_batch=%s nodes:edges=%s " "$b" "$size"
                       TORCH_GRADOPS_CUDA_EDGE_BATCH=$b "$0" benchmarks/gat_attention.py --worker --impl op --mode fwd \
