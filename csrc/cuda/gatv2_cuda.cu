@@ -28,7 +28,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <limits>
+#include <string>
 
 #include "../gatv2.h"
 
@@ -104,9 +106,25 @@ struct Preact {
     }
     return warp_sum(part);
   }
+  // The scores of two edges (ea from source ja, eb from jb) for head h, their loads interleaved;
+  // each summed exactly as score() sums it. The whole warp must call it.
+  __device__ __forceinline__ void score2(int64_t ja, int64_t ea_, int64_t jb, int64_t eb, int64_t i, int64_t h,
+                                         int lane, acc_t& sa, acc_t& sb) const {
+    acc_t pa = 0, pb = 0;
+    for (int64_t c = lane; c < C; c += kWarp) {
+      const int64_t f = h * C + c;
+      pa += static_cast<acc_t>(att[f]) * lrelu(z(ja, i, ea_, f));
+      pb += static_cast<acc_t>(att[f]) * lrelu(z(jb, i, eb, f));
+    }
+    sa = warp_sum(pa);
+    sb = warp_sum(pb);
+  }
 };
 
-template <typename scalar_t, typename index_t>
+// kEdgeBatch 2: the scores of two edges at a time (score2), so that two edges' row gathers and
+// warp reductions are in flight together instead of one dependent chain per edge; the edges are
+// folded into the online softmax in the same order, so the results are the same bits as with 1.
+template <typename scalar_t, typename index_t, int kEdgeBatch>
 __global__ void gatv2_forward_kernel(Preact<scalar_t> P, const bool* __restrict__ mk, const index_t* __restrict__ ptr,
                                      const index_t* __restrict__ idx, scalar_t* __restrict__ out,
                                      at::opmath_type<scalar_t>* __restrict__ lse, scalar_t* __restrict__ alpha,
@@ -125,10 +143,7 @@ __global__ void gatv2_forward_kernel(Preact<scalar_t> P, const bool* __restrict_
     acc_t run_max = neg_inf, run_sum = 0, acc[kPerLane];
 #pragma unroll
     for (int v = 0; v < kPerLane; ++v) acc[v] = 0;
-    for (int64_t e = e0; e < e1; ++e) {
-      const int64_t j = idx[e];
-      CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
-      const acc_t s = P.score(j, i, e, h, lane);
+    auto fold = [&](int64_t e, int64_t j, acc_t s) {
       if (s > run_max) {  // rescale what was summed under the old maximum (warp-uniform)
         const acc_t r = dev_exp(run_max - s);
         run_sum *= r;
@@ -144,6 +159,25 @@ __global__ void gatv2_forward_kernel(Preact<scalar_t> P, const bool* __restrict_
       for (int v = 0; v < kPerLane; ++v) {
         const int64_t c = cb * kChannelBlock + v * kWarp + lane;
         if (c < C) acc[v] += wgt * static_cast<acc_t>(P.xs[j * HC + h * C + c]);
+      }
+    };
+    if constexpr (kEdgeBatch == 2) {
+      for (int64_t e = e0; e < e1; e += 2) {
+        const bool pair = e + 1 < e1;  // warp-uniform: the warp shares the destination
+        const int64_t ja = idx[e];
+        const int64_t jb = pair ? static_cast<int64_t>(idx[e + 1]) : ja;
+        CUDA_KERNEL_ASSERT(ja >= 0 && ja < num_src && "indices: source id out of range");
+        CUDA_KERNEL_ASSERT(jb >= 0 && jb < num_src && "indices: source id out of range");
+        acc_t sa, sb;
+        P.score2(ja, e, jb, pair ? e + 1 : e, i, h, lane, sa, sb);
+        fold(e, ja, sa);
+        if (pair) fold(e + 1, jb, sb);
+      }
+    } else {
+      for (int64_t e = e0; e < e1; ++e) {
+        const int64_t j = idx[e];
+        CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
+        fold(e, j, P.score(j, i, e, h, lane));
       }
     }
     const bool empty = e0 == e1;
@@ -383,6 +417,16 @@ __global__ void gatv2_backward_src_kernel(Preact<scalar_t> P, const scalar_t* __
   }
 }
 
+// The forward's edge batch (see gatv2_forward_kernel): 2, or 1 (one edge at a time, the earlier
+// schedule) when TORCH_GRADOPS_CUDA_EDGE_BATCH=1, so both can be timed in one build.
+int forward_edge_batch() {
+  static const int batch = [] {
+    const char* v = std::getenv("TORCH_GRADOPS_CUDA_EDGE_BATCH");
+    return v != nullptr && std::string(v) == "1" ? 1 : 2;
+  }();
+  return batch;
+}
+
 template <typename T>
 T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
@@ -440,7 +484,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gatv2_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gatv2_forward_cuda_index", [&] {
-      gatv2_forward_kernel<scalar_t, index_t><<<blocks, kThreads, 0, stream>>>(
+      auto kernel = forward_edge_batch() == 1 ? gatv2_forward_kernel<scalar_t, index_t, 1>
+                                              : gatv2_forward_kernel<scalar_t, index_t, 2>;
+      kernel<<<blocks, kThreads, 0, stream>>>(
           make_preact<scalar_t>(a, negative_slope), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
           a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
           return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, a.x_src.size(0), num_dst, a.indices.numel(), n_cb,
