@@ -19,8 +19,9 @@
 #     bench-conv-scale
 #                GATConv against PyG's at E = 20M and 100M (PyG runs out of memory there; a full-batch
 #                layer of ours at E = 100M should fit in 80 GB)
-#     bench-gat-ab  the GAT op's forward at E = 10M and 50M with TORCH_GRADOPS_CUDA_EDGE_BATCH=1 (one
-#                edge at a time) and 4 (the default), alternating, three processes each (the log)
+#     bench-gat-ab  the GAT and GATv2 (edge_dim 16) ops' forward at E = 10M and 50M with
+#                TORCH_GRADOPS_CUDA_EDGE_BATCH=1 (one edge at a time) and the default batch,
+#                alternating, three processes each (the log)
 #     bench-tn-lattice, bench-tn-circuit, bench-tn-unsliced
 #                benchmarks/tensornet_sliced.py on the GPU: sliced lattices and circuits against
 #                cotengra + autograd, unsliced circuits against torch.einsum / opt_einsum /
@@ -114,9 +115,12 @@ for s in "$@"; do
                         --sizes 1000000:20000000,5000000:100000000 --repeats 2 \
                         --out benchmarks/results/gat_conv_cuda_scale.json ;;
     bench-gat-ab) stage bench-gat-ab 540 bash -c 'for rep in 1 2 3; do for size in 500000:10000000 2500000:50000000; do
-                    for b in 1 4; do printf "edge_batch=%s nodes:edges=%s " "$b" "$size"
+                    for b in 1 default; do printf "gat edge_batch=%s nodes:edges=%s " "$b" "$size"
                       TORCH_GRADOPS_CUDA_EDGE_BATCH=$b "$0" benchmarks/gat_attention.py --worker --impl op --mode fwd \
                         --nodes "${size%%:*}" --edges "${size##*:}" --device cuda --repeats 10 || echo failed
+                      printf "gatv2 edge_batch=%s nodes:edges=%s edge_dim=16 " "$b" "$size"
+                      TORCH_GRADOPS_CUDA_EDGE_BATCH=$b "$0" benchmarks/gatv2_attention.py --worker --impl op --mode fwd \
+                        --nodes "${size%%:*}" --edges "${size##*:}" --edge-dim 16 --device cuda --repeats 10 || echo failed
                     done; done; done' "$PY" ;;
     bench-gatv2) stage bench-gatv2 540 "$PY" benchmarks/gatv2_attention.py --device cuda \
                    --sizes 100000:2000000 500000:10000000 --out benchmarks/results/gatv2_attention_cuda.json ;;
