@@ -35,8 +35,8 @@ def machine_info(device: str) -> dict:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                     cuda=torch.version.cuda,
-                    # the GAT forward's edge batch (csrc/cuda/gat_cuda.cu): 1 selects the old schedule
-                    cuda_edge_batch=os.environ.get("TORCH_GRADOPS_CUDA_EDGE_BATCH", "4"))
+                    # "1": the GAT/GATv2 forward kernels' one-edge schedule; None: their edge batches
+                    cuda_edge_batch=os.environ.get("TORCH_GRADOPS_CUDA_EDGE_BATCH"))
     try:
         import torch_geometric
         info["torch_geometric"] = torch_geometric.__version__

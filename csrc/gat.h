@@ -5,9 +5,22 @@
 #include <c10/util/Optional.h>
 
 #include <array>
+#include <cstdlib>
+#include <cstring>
 #include <tuple>
 
 namespace torch_gradops {
+
+// TORCH_GRADOPS_CUDA_EDGE_BATCH=1: the GAT and GATv2 CUDA forward kernels walk one edge at a
+// time (the schedule measured before edge batching) instead of their batch, so that both can be
+// timed from one build. Read once per process.
+inline bool cuda_forward_one_edge_at_a_time() {
+  static const bool one = [] {
+    const char* v = std::getenv("TORCH_GRADOPS_CUDA_EDGE_BATCH");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return one;
+}
 
 // Validates gat_forward's arguments (shapes, dtypes, devices); throws with the argument's name.
 void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,

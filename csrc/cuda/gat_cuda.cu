@@ -21,9 +21,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
 #include <limits>
-#include <string>
 
 #include "../gat.h"
 
@@ -239,16 +237,6 @@ __global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
   }
 }
 
-// The forward's edge batch (see gat_forward_kernel): 4, or 1 (one edge at a time, the earlier
-// schedule) when TORCH_GRADOPS_CUDA_EDGE_BATCH=1, so both can be timed in one build.
-int forward_edge_batch() {
-  static const int batch = [] {
-    const char* v = std::getenv("TORCH_GRADOPS_CUDA_EDGE_BATCH");
-    return v != nullptr && std::string(v) == "1" ? 1 : 4;
-  }();
-  return batch;
-}
-
 template <typename T>
 T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
@@ -278,8 +266,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gat_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gat_forward_cuda_index", [&] {
-      auto kernel = forward_edge_batch() == 1 ? gat_forward_kernel<scalar_t, index_t, 1>
-                                              : gat_forward_kernel<scalar_t, index_t, 4>;
+      auto kernel = cuda_forward_one_edge_at_a_time() ? gat_forward_kernel<scalar_t, index_t, 1>
+                                                            : gat_forward_kernel<scalar_t, index_t, 4>;
       kernel<<<grid, block, 0, stream>>>(
           a.x_src.data_ptr<scalar_t>(), a.a_src.data_ptr<scalar_t>(), a.a_dst.data_ptr<scalar_t>(),
           ptr_or_null<scalar_t>(a.edge_logits), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),

@@ -28,9 +28,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <limits>
-#include <string>
 
 #include "../gatv2.h"
 
@@ -417,16 +415,6 @@ __global__ void gatv2_backward_src_kernel(Preact<scalar_t> P, const scalar_t* __
   }
 }
 
-// The forward's edge batch (see gatv2_forward_kernel): 2, or 1 (one edge at a time, the earlier
-// schedule) when TORCH_GRADOPS_CUDA_EDGE_BATCH=1, so both can be timed in one build.
-int forward_edge_batch() {
-  static const int batch = [] {
-    const char* v = std::getenv("TORCH_GRADOPS_CUDA_EDGE_BATCH");
-    return v != nullptr && std::string(v) == "1" ? 1 : 2;
-  }();
-  return batch;
-}
-
 template <typename T>
 T* ptr_or_null(const at::Tensor& t) {
   return t.defined() ? t.data_ptr<T>() : nullptr;
@@ -484,8 +472,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gatv2_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gatv2_forward_cuda_index", [&] {
-      auto kernel = forward_edge_batch() == 1 ? gatv2_forward_kernel<scalar_t, index_t, 1>
-                                              : gatv2_forward_kernel<scalar_t, index_t, 2>;
+      auto kernel = cuda_forward_one_edge_at_a_time() ? gatv2_forward_kernel<scalar_t, index_t, 1>
+                                                            : gatv2_forward_kernel<scalar_t, index_t, 2>;
       kernel<<<blocks, kThreads, 0, stream>>>(
           make_preact<scalar_t>(a, negative_slope), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
           a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
