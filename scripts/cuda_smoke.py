@@ -4,7 +4,7 @@
 
 Runs the GAT and GATv2 forward and backward kernels (all edge-feature modes, return_attention,
 dropout, int32 and int64 indices, float64/32/16/bfloat16), the SpMM/SDDMM primitives through a
-double backward, and the tensor-network executor (a sliced plan, its forward and gradients),
+double backward (GATv2's twice: it must be bitwise repeatable too), and the tensor-network executor (a sliced plan, its forward and gradients),
 on small graphs with a hub destination, destinations without edges and ``num_src != num_dst``.
 Each result is compared with the same call on the CPU (whose kernels the test suite checks
 against plain-PyTorch references); the backward is also run twice and must be bitwise equal.
@@ -127,6 +127,8 @@ def run_gatv2(dev, sizes, index_dtype, dtype, mode, gen):
         first = grads_of(out + 0 * alpha.sum(), inputs, 2)
         again = grads_of(tg.gatv2_attention(t["xs"], t["xd"], t["att"], g, **kw), inputs, 2)
         results[where] = (out, alpha, first, again)
+        if dtype in (torch.float64, torch.float32):  # double backward twice: segment sums, no atomics
+            results[where] += tuple(gatv2_double_backward(g, t, inputs, kw) for _ in range(2))
         tg.gatv2_attention(t["xs"], t["xd"], t["att"], g, dropout=0.5, training=True, **kw).sum().backward()
     tag = f"gatv2[{mode}, {dtype}, {index_dtype}]"
     cpu, gpu = results["cpu"], results[dev]
@@ -136,6 +138,19 @@ def run_gatv2(dev, sizes, index_dtype, dtype, mode, gen):
         if a is not None:
             check(f"{tag} grad {k}", a, b, dtype)
     check_bitwise(tag, gpu[2], gpu[3])
+    if len(gpu) > 4:
+        for k, (a, b) in enumerate(zip(gpu[4], cpu[4])):
+            if a is not None:
+                check(f"{tag} double backward {k}", a, b, dtype)
+        check_bitwise(f"{tag} double backward", gpu[4], gpu[5])
+
+
+def gatv2_double_backward(g, t, inputs, kw):
+    """Gradients of a gradient penalty (the squared x_src / x_dst gradients, create_graph=True)."""
+    out = tg.gatv2_attention(t["xs"], t["xd"], t["att"], g, **kw)
+    present = [x for x in inputs if x is not None]
+    gx = torch.autograd.grad(out.square().sum(), present[:2], create_graph=True)
+    return torch.autograd.grad(sum(x.square().sum() for x in gx), present, allow_unused=True)
 
 
 def run_tensornet(dev, small):

@@ -27,8 +27,9 @@
 #                cotengra + autograd, unsliced circuits against torch.einsum / opt_einsum /
 #                cotengra, with achieved FLOP/s against a same-run matmul
 #
-# Packages the machine lacks (cotengra, autoray, quimb, cytoolz) are taken from wheels in .whl/
-# when present (installed into /tmp/torch_gradops_site on every call, a few seconds). Each stage
+# Packages the machine lacks (cotengra, autoray, quimb, cytoolz; pytest-xdist and execnet for the
+# suite stage) are taken from wheels in .whl/ when present (installed into
+# /tmp/torch_gradops_site on every call, a few seconds). Each stage
 # writes LOGDIR/<stage>.log and a line to LOGDIR/summary.txt (LOGDIR: gpu_logs); at the end the
 # logs and the benchmarks' CUDA JSON are packed into gpu_logs.tar.gz, which goes, with
 # summary.txt, to $OUT when that is set (the device tool returns at most 8 files).

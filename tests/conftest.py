@@ -1,4 +1,3 @@
-import contextlib
 import os
 import subprocess
 import sys
@@ -51,25 +50,3 @@ def runs_at_thread_counts(run, counts):
         return out
     finally:
         torch.set_num_threads(threads)
-
-
-@contextlib.contextmanager
-def deterministic_on(device):
-    """torch.use_deterministic_algorithms(True) while a CUDA case runs (nothing on the CPU):
-    the create_graph and torch.func paths of GATv2 are composite PyTorch code whose sums of
-    edge rows (index_add, the backward of index_select) are deterministic on CUDA only so."""
-    if device != "cuda":
-        yield
-        return
-    mode, warn_only = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"  # what deterministic cuBLAS asks for
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
-        if config is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG")
-        else:
-            os.environ["CUBLAS_WORKSPACE_CONFIG"] = config

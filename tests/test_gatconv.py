@@ -18,7 +18,7 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
-from pyg_helpers import close, make_pair, random_graph, run_both  # noqa: E402,F401
+from pyg_helpers import assert_sums_without_atomics, close, make_pair, random_graph, run_both  # noqa: E402,F401
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -71,6 +71,12 @@ def test_edge_dim_fill_values_match_pyg(fill_value, add_loops):
     ei = random_graph(25, 25, 120)
     ea = torch.randn(120, 3)
     run_both(theirs, ours, x, ei, edge_attr=ea)
+
+
+@pytest.mark.parametrize("fill_value", ["mean", "add"])
+def test_layer_sums_without_atomics(fill_value):
+    """Self-loops' edge features by mean or sum (PyG's scatter) included: see the helper."""
+    assert_sums_without_atomics(*pair(16, 8, heads=4, edge_dim=3, fill_value=fill_value))
 
 
 def test_edge_dim_one_dimensional_edge_attr():

@@ -14,7 +14,7 @@ from torch_geometric.typing import WITH_TORCH_SPARSE  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
 from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
-from pyg_helpers import close, make_pair, random_graph, run_both  # noqa: E402
+from pyg_helpers import assert_sums_without_atomics, close, make_pair, random_graph, run_both  # noqa: E402
 
 
 def pair(in_channels, out_channels, seed=0, **kw):
@@ -219,6 +219,12 @@ def test_backward_is_bitwise_deterministic():
         grads.append([p.grad.clone() for p in ours.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("fill_value", ["mean", "add"])
+def test_layer_sums_without_atomics(fill_value):
+    """Self-loops' edge features by mean or sum (PyG's scatter) included: see the helper."""
+    assert_sums_without_atomics(*pair(16, 8, heads=4, edge_dim=3, fill_value=fill_value))
 
 
 def test_state_dict_repr_and_conversion():

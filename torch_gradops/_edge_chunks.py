@@ -20,19 +20,13 @@ from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["EdgeChunks", "EdgeMapSpec", "EdgeMap", "chunk_size", "node_ranges", "plain_tensor"]
+from ._segments import gather_rows, index_add_rows
+
+__all__ = ["EdgeChunks", "EdgeMapSpec", "EdgeMap", "chunk_size", "node_ranges"]
 
 # A chunk's [chunk, H, C] temporaries hold about E x H elements, and at least this many, so that
 # small graphs take one or a few chunks (each chunk costs a few Python-level op calls).
 _MIN_CHUNK_ELEMENTS = 1 << 18
-
-
-def plain_tensor(t: torch.Tensor) -> torch.Tensor:
-    """``t`` without torch.func wrappers: for index tensors, which carry no tangents or batch
-    dimensions, so that closures can use them at any transform level."""
-    while torch._C._functorch.is_functorch_wrapped_tensor(t):
-        t = torch._C._functorch.get_unwrapped(t)
-    return t
 
 
 def chunk_size(num_edges: int, heads: int, channels: int) -> int:
@@ -75,8 +69,9 @@ class EdgeMapSpec:
     the first ``num_edge_in`` inputs (``[E, ...]`` in CSC order, or None) sliced to the chunk in
     traversal order; the others whole, or, where ``gathers[j]`` (for the j-th of them) is an
     ``[E]`` index in traversal order, their rows at the chunk's entries of it. Derivatives for
-    gathered inputs are taken for the rows and summed into the input with ``index_add``, so a
-    chunk never allocates a whole input's gradient. ``vjp(inputs, grads, needs)``, if given,
+    gathered inputs are taken for the rows and summed into the input by
+    :func:`~torch_gradops._segments.index_add_rows` (deterministic, no atomics), so a chunk
+    never allocates a whole input's gradient. ``vjp(inputs, grads, needs)``, if given,
     replaces the recomputation in backward (it must itself be differentiable)."""
     fn: Callable
     chunks: EdgeChunks
@@ -151,18 +146,8 @@ def _chunk_inputs(spec: EdgeMapSpec, inputs: Sequence[Optional[torch.Tensor]], c
     nodes = []
     for j, t in enumerate(inputs[spec.num_edge_in:]):
         idx = spec.gather(j)
-        nodes.append(t if t is None or idx is None else t.index_select(0, idx[e0:e1]))
+        nodes.append(t if t is None or idx is None else gather_rows(t, idx[e0:e1]))
     return [_edge_slice(t, spec.chunks.order, e0, e1) for t in inputs[:spec.num_edge_in]] + nodes
-
-
-def _index_add(total: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-    """``total.index_add(0, rows, g)``, in place when torch allows: under vmap (also
-    gradcheck's batched checks, where Python cannot tell) an unbatched total cannot take
-    batched rows in place."""
-    try:
-        return total.index_add_(0, rows, g)
-    except RuntimeError:
-        return total.index_add(0, rows, g)
 
 
 def _bind(spec: EdgeMapSpec, chunk, values: List, diff: List[int]):
@@ -207,7 +192,7 @@ class EdgeMap(torch.autograd.Function):
         sum_grads = tuple(grads[spec.num_edge_out + spec.num_row_out:])
         num_edges = spec.chunks.ranges[-1][3]
         edge_sinks = {k: _RowSink(num_edges, order) for k, i in enumerate(diff) if i < ne}
-        # node inputs: summed as the chunks come, gathered ones by index_add of their rows' grads
+        # node inputs: summed as the chunks come, gathered ones by index_add_rows of their rows' grads
         totals: List[Optional[torch.Tensor]] = [None] * len(diff)
         for chunk in spec.chunks.ranges:
             n0, n1, e0, e1 = chunk
@@ -223,7 +208,7 @@ class EdgeMap(torch.autograd.Function):
                 elif idx is not None:
                     # (zeros made from g: batched under vmap when g is, so the sum stays in place)
                     total = g.new_zeros(inputs[i].shape) if totals[k] is None else totals[k]
-                    totals[k] = _index_add(total, idx[e0:e1], g)
+                    totals[k] = index_add_rows(total, idx[e0:e1], g)
                 else:
                     totals[k] = g if totals[k] is None else totals[k] + g
             del vjp_fn  # this chunk's intermediates go before the next chunk's are made

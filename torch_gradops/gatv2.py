@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
-from ._edge_chunks import EdgeChunks, EdgeMap, EdgeMapSpec, chunk_size, node_ranges, plain_tensor
+from ._edge_chunks import EdgeChunks, EdgeMap, EdgeMapSpec, chunk_size, node_ranges
+from ._segments import gather_rows, index_add_rows, plain_tensor, sum_sorted_rows
 from .gat import (_attend_composite, _composite_edges, _edge_aggregate, _edge_dot, _Edges, _EdgeSoftmax, _fold_heads,
                   _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads, _vmap_per_item)
 from .graph import BipartiteCSC, csc_destinations
@@ -192,6 +193,7 @@ class _Gatv2EdgeMaps:
         step = chunk_size(indices.numel(), heads, channels)
         with torch._C._DisableFuncTorch():
             self.src, self.dst = indices.long(), dst.long()
+            self.indptr, self.rev_indptr = indptr.long(), rev_indptr.long()
             self.by_dst = EdgeChunks(None, node_ranges(indptr, step))
             rev_edge = rev_edge.long()
             self.by_src = EdgeChunks(rev_edge, node_ranges(rev_indptr, step))
@@ -220,7 +222,7 @@ class _Gatv2EdgeMaps:
         if needs[2]:
             edge_out.append(dz if w is None else flat @ w.reshape(w.size(0), width).t())
         if needs[0]:
-            rows.append(dz.new_zeros((n1 - n0,) + dz.shape[1:]).index_add(0, d_idx - n0, dz))
+            rows.append(sum_sorted_rows(dz, self.indptr[n0:n1 + 1] - e0, d_idx - n0))
         if needs[1]:
             sums.append((ds.unsqueeze(-1) * F.leaky_relu(z, self.slope)).sum(0))
         if needs[3]:
@@ -230,7 +232,7 @@ class _Gatv2EdgeMaps:
     def _by_src_chunk(self, n0, n1, e0, e1, edge_in, nodes):
         (ds, ea), (xs_rows, xd_rows, att, w) = edge_in, nodes
         dz = self._dz(ds, _preactivation(xs_rows, xd_rows, ea, w), att)
-        return (dz.new_zeros((n1 - n0,) + dz.shape[1:]).index_add(0, self.rev_src[e0:e1] - n0, dz),)
+        return (sum_sorted_rows(dz, self.rev_indptr[n0:n1 + 1] - e0, self.rev_src[e0:e1] - n0),)
 
     # maps
     def scores(self, x_src, x_dst, att, ea, w):
@@ -354,8 +356,8 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
                                                                        edge_attr, edge_weight)):
             # create_graph=True (every torch.func.grad/vjp records for higher orders), or batched
             # tensors from vmap: the same gradients as a differentiable computation (exact, not
-            # the fused kernel). Its per-node sums of edge rows are index_add: deterministic on
-            # CPU, on CUDA only under torch.use_deterministic_algorithms.
+            # the fused kernel). Its per-node sums of edge rows are segment sums in a fixed
+            # order (_segments): bitwise repeatable on CPU and CUDA.
             if ctx.has_rev and not torch.compiler.is_compiling():
                 edges = _Edges.of_csc(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
                 grads = _gatv2_backward_recomputing(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
@@ -428,11 +430,11 @@ def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, n
 
     def z_of(lo, hi):
         s, d = src[lo:hi], dst[lo:hi]
-        z = _preactivation(xs.index_select(0, s), xd.index_select(0, d), None if ea_a is None else ea_a[lo:hi], w_a)
+        z = _preactivation(gather_rows(xs, s), gather_rows(xd, d), None if ea_a is None else ea_a[lo:hi], w_a)
         tz = None
         for t, idx in ((t_xs, s), (t_xd, d)):
             if t is not None:
-                g = t.index_select(0, idx)
+                g = gather_rows(t, idx)
                 tz = g if tz is None else tz + g
         if t_ea is not None:
             g = _edge_term(t_ea[lo:hi], w_a)
@@ -458,8 +460,7 @@ def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, n
         ts_parts.append(ts)
     alpha = torch.cat(alpha_parts) if alpha_parts else lse.new_zeros((0, heads))
     ts = torch.cat(ts_parts) if ts_parts else alpha
-    dbar = torch.zeros_like(lse).index_add(0, dst, alpha * ts)
-    t_alpha = alpha * (ts - dbar.index_select(0, dst))
+    t_alpha = alpha * (ts - gather_rows(sum_sorted_rows(alpha * ts, indptr, dst), dst))
     if keep is not None:
         t_alpha, alpha = t_alpha * keep, alpha * keep
     # pass 2: t_out = sum_e t_alpha x_src[j] + alpha t_x_src[j]
@@ -467,10 +468,10 @@ def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, n
     for lo in range(0, num_edges, step):
         hi = min(lo + step, num_edges)
         s, d = src[lo:hi], dst[lo:hi]
-        msg = t_alpha[lo:hi].unsqueeze(-1) * xs.index_select(0, s)
+        msg = t_alpha[lo:hi].unsqueeze(-1) * gather_rows(xs, s)
         if t_xs is not None:
-            msg = msg + alpha[lo:hi].unsqueeze(-1) * t_xs.index_select(0, s)
-        t_out = t_out.index_add(0, d, msg)
+            msg = msg + alpha[lo:hi].unsqueeze(-1) * gather_rows(t_xs, s)
+        t_out = index_add_rows(t_out, d, msg)
     return t_out.to(x_src.dtype), (t_alpha.to(x_src.dtype) if want_alpha else None)
 
 

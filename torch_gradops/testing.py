@@ -2,6 +2,8 @@
 
 * Memory: :class:`PeakMemory` (peak extra memory of a region), :func:`peak_allocated_bytes`
   (exact peak of CPU tensor bytes), :func:`format_bytes`.
+* Determinism: :func:`atomic_sum_ops` lists the calls in a function that CUDA would sum with
+  atomics (results not bitwise repeatable there), run on any device.
 * Processes: :func:`launch` runs a function on ``world_size`` local ranks with a process group
   (gloo or NCCL) and always cleans up; :func:`free_port`.
 * GAT: :func:`gat_composite`, the plain-PyTorch GAT (index_select + scatter softmax +
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 
 from ._units import format_bytes
 
-__all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "free_port", "launch", "gat_composite",
+__all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "atomic_sum_ops", "free_port", "launch", "gat_composite",
            "CoraGAT", "train_cora", "powerlaw_edge_index", "Network", "circuit_amplitude_network",
            "peps_norm_network", "mps_network", "lattice_network", "interleave", "einsum_pairwise"]
 
@@ -105,6 +107,62 @@ def peak_allocated_bytes(fn) -> int:
         cur += e.nbytes()
         peak = max(peak, cur)
     return peak
+
+
+# ---------------------------------------------------------------------------- determinism
+# ATen ops whose CUDA kernels add with atomics where an index repeats: the order of each sum,
+# and so its rounding, changes from run to run. (op name -> the index argument's position, or
+# None: always atomic.)
+_ATOMIC_SUMS = {"index_add": 2, "index_add_": 2, "scatter_add": 2, "scatter_add_": 2, "scatter_reduce": 2,
+                "scatter_reduce_": 2, "index_put": 1, "index_put_": 1, "_index_put_impl_": 1, "put_": 1,
+                "put": 1, "embedding_dense_backward": None, "_embedding_bag_backward": None,
+                "_embedding_bag_dense_backward": None, "bincount": None, "histc": None}
+
+
+def _repeats(t) -> bool:
+    if isinstance(t, (list, tuple)):
+        return any(_repeats(u) for u in t if u is not None)
+    return isinstance(t, torch.Tensor) and t.numel() > 1 and torch.unique(t).numel() < t.numel()
+
+
+def _is_atomic_sum(func, args, kwargs) -> bool:
+    name = func.overloadpacket.__name__
+    if name not in _ATOMIC_SUMS:
+        return False
+    if args and isinstance(args[0], torch.Tensor) and not (args[0].is_floating_point() or args[0].is_complex()) \
+            and name != "bincount":
+        return False  # integer sums are exact in any order
+    if name in ("index_put", "index_put_", "_index_put_impl_", "put_", "put"):
+        accumulate = kwargs.get("accumulate", args[3] if len(args) > 3 else False)
+        if not accumulate:
+            return False
+    if name == "bincount" and kwargs.get("weights", args[1] if len(args) > 1 else None) is None:
+        return False  # integer counts are exact in any order
+    pos = _ATOMIC_SUMS[name]
+    return pos is None or _repeats(kwargs.get("index", kwargs.get("indices", args[pos] if len(args) > pos else None)))
+
+
+def atomic_sum_ops(fn: Callable[[], Any]) -> List[str]:
+    """Runs ``fn()`` and returns the ATen calls in it (forward, backward, torch.func, all that
+    dispatches) that a CUDA device would compute with atomic adds over repeated indices:
+    ``index_add`` and ``index_put(accumulate=True)`` whose index repeats, ``scatter_add``,
+    ``scatter_reduce``, ``embedding`` backward, weighted ``bincount``. On CUDA their results are
+    not bitwise repeatable (unless ``torch.use_deterministic_algorithms(True)`` picks a slower
+    kernel); an empty list means none ran. Works on any device, the CPU included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found: List[str] = []
+
+    class _Recorder(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if _is_atomic_sum(func, args, kwargs):
+                found.append(str(func))
+            return func(*args, **kwargs)
+
+    with _Recorder():
+        fn()
+    return found
 
 
 # ---------------------------------------------------------------------------- processes

@@ -22,6 +22,7 @@ from torch_geometric.utils.loop import compute_loop_attr
 from torch_geometric.utils.sparse import set_sparse_value
 
 from .._transforms import is_transformed
+from .._segments import index_add_rows
 from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
@@ -169,6 +170,13 @@ def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value) ->
     src, dst, _ = edge_list(edge_index)
     src, dst = src.long(), dst.long()
     col = torch.where((src == dst) | (dst >= num_loops), num_loops, dst)
+    if fill_value in ("add", "sum", "mean") and not torch.compiler.is_compiling():
+        # PyG's scatter sum/mean (scatter_add_, atomic on CUDA), summed in a fixed order
+        out = index_add_rows(edge_attr.new_zeros((num_loops + 1,) + edge_attr.shape[1:]), col, edge_attr)
+        if fill_value == "mean":
+            count = torch.bincount(col, minlength=num_loops + 1).clamp(min=1).to(out.dtype)
+            out = out / count.view((-1,) + (1,) * (out.dim() - 1))
+        return out[:num_loops]
     return compute_loop_attr(torch.stack([src, col]), edge_attr, num_loops + 1, False, fill_value)[:num_loops]
 
 
