@@ -12,9 +12,10 @@ The targets of issue 12, each configuration in a fresh process (2 threads):
   4x4 depth 10 and 4x5 depth 12, U3 + CZ layers on the grid's edges, complex64,
   ``circ.amplitude_tn(bitstring)``, sliced to 128 KiB and 1 MiB; ours must equal quimb's
   ``circ.amplitude`` and opt_einsum-on-torch's gradients. Same peer.
-* the same circuits unsliced, forward and forward + backward, against torch.einsum (one call per
-  pairwise step of opt_einsum's path: the networks have more modes than torch.einsum has
-  letters), opt_einsum (``backend="torch"``) and cotengra (``tree.contract(backend="torch")``).
+* the same circuits and lattices unsliced, forward and forward + backward, against torch.einsum
+  (one call per pairwise step of opt_einsum's path: the networks have more modes than
+  torch.einsum has letters), opt_einsum (``backend="torch"``) and cotengra
+  (``tree.contract(backend="torch")``).
 
 Times: ``plan_s`` (path search and slicing; for ours everything ``tn.plan`` does), ``run_s``
 (median of the steady-state forward + backward, or forward) and ``total_s = plan_s + run_s``
@@ -272,7 +273,7 @@ def configs(quick, only, device="cpu"):
                     out.append((dict(net, limit=kib * 1024, mode="fwd_bwd", check_grads=impl == "ours",
                                      device=device), impl))
     if only in (None, "unsliced"):
-        for net in circ:
+        for net in circ + lat:
             for mode in ("fwd", "fwd_bwd"):
                 for impl in ("ours", "torch.einsum", "opt_einsum", "cotengra"):
                     out.append((dict(net, limit=None, mode=mode, check_grads=False, device=device), impl))

@@ -316,7 +316,10 @@ def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callab
     base = dict(methods=[GREEDY_TRIAL], parallel=False, progbar=False, minimize=objective, optlib_opts={"seed": SEED},
                 more=more)
     if limit_elems is None and not min_slices:
-        return [dict(base, min_repeats=lo, max_repeats=hi)]
+        # Without slicing options cotengra reconfigures every trial's tree (10-20x a greedy
+        # trial each); here, as with a limit, only the winner is (_reconfigured). A slicing
+        # target no tree exceeds slices nothing but gives cotengra each trial's statistics.
+        return [dict(base, slicing_opts={"target_size": 2 ** 62, "max_repeats": 1}, min_repeats=lo, max_repeats=hi)]
     out = []
     divisors = (1, 4) if hi >= 16 else (1,)
     targets = [None] if limit_elems is None else sorted({max(1, int(limit_elems) // d) for d in divisors},
