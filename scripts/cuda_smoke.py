@@ -4,10 +4,11 @@
 
 Runs the GAT and GATv2 forward and backward kernels (all edge-feature modes, return_attention,
 dropout, int32 and int64 indices, float64/32/16/bfloat16), the SpMM/SDDMM primitives through a
-double backward (GATv2's twice: it must be bitwise repeatable too), and the tensor-network executor (a sliced plan, its forward and gradients),
-on small graphs with a hub destination, destinations without edges and ``num_src != num_dst``.
-Each result is compared with the same call on the CPU (whose kernels the test suite checks
-against plain-PyTorch references); the backward is also run twice and must be bitwise equal.
+double backward (GATv2's twice: it must be bitwise repeatable too), and the tensor-network
+executor (a sliced plan, its forward and gradients), on small graphs with a hub destination,
+destinations without edges and ``num_src != num_dst``. Each result is compared with the same
+call on the CPU (whose kernels the test suite checks against plain-PyTorch references); the
+backward is also run twice and must be bitwise equal.
 
 A short driver rather than the test suite, so that compute-sanitizer (memcheck, racecheck,
 synccheck, initcheck) can run every kernel in minutes: ``--small`` shrinks the graphs further

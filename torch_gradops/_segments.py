@@ -2,8 +2,8 @@
 
 ``index_add`` on CUDA adds with atomics, so the order of each sum (and its rounding) changes
 from run to run. :func:`segment_sum` sums each segment's rows in a fixed order with the fused
-SpMM primitive (``gat_spmm``: one task per output row, no atomics) and :func:`segment_gather`
-is its adjoint; each differentiates into the other, so every order of derivative, forward AD
+SpMM primitive (``gat_spmm``: one task per output row, no atomics); its adjoint is a gather
+by segment, and each differentiates into the other, so every order of derivative, forward AD
 and vmap (through ``gat_spmm``'s head-folding rule) stays bitwise repeatable on CPU and CUDA.
 :func:`index_add_rows` replaces ``total.index_add(0, index, rows)`` for any ``index``: the rows
 of each distinct id are summed by segment first, so the final ``index_add`` has distinct ids
@@ -12,6 +12,7 @@ of each distinct id are summed by segment first, so the final ``index_add`` has 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Tuple
 
@@ -19,7 +20,7 @@ import torch
 
 from .library import ops
 
-__all__ = ["plain_tensor", "Segments", "segment_sum", "segment_gather", "gather_rows", "sum_sorted_rows", "index_add_rows"]
+__all__ = ["plain_tensor", "Segments", "segment_sum", "gather_rows", "sum_sorted_rows", "index_add_rows"]
 
 
 def plain_tensor(t: torch.Tensor) -> torch.Tensor:
@@ -68,9 +69,7 @@ class Segments:
 
 def _sum_kernel(x: torch.Tensor, segs: Segments) -> torch.Tensor:
     rows, num = x.size(0), segs.num_segments
-    width = 1
-    for n in x.shape[1:]:
-        width *= n
+    width = math.prod(x.shape[1:])
     if width == 0 or rows == 0:
         return x.new_zeros((num,) + tuple(x.shape[1:]))
     flat = x.reshape(rows, 1, width)  # [R, 1, K]: one "head", K channels
@@ -122,12 +121,6 @@ def segment_sum(x: torch.Tensor, segs: Segments) -> torch.Tensor:
     """``[R, ...] -> [S, ...]``: each segment's rows summed in its fixed order (zeros for an
     empty segment). Half types accumulate in float32."""
     return _SegmentSum.apply(x, segs)
-
-
-def segment_gather(y: torch.Tensor, segs: Segments) -> torch.Tensor:
-    """``[S, ...] -> [R, ...]``: each row takes its segment's value (the adjoint of
-    :func:`segment_sum`)."""
-    return _SegmentGather.apply(y, segs)
 
 
 class _GatherRows(torch.autograd.Function):
