@@ -25,9 +25,16 @@
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <torch/csrc/autograd/autograd_not_implemented_fallback.h>
 
 #include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <string>
 #include <optional>
 #include <vector>
 
@@ -207,12 +214,37 @@ static int (*const MKL_Set_Num_Threads_Local)(int) = nullptr;
 namespace torch_gradops {
 namespace {
 
-// GEMMs below this many real multiply-adds run on the calling thread. MKL opens an OpenMP team
-// for every call, and waking its sleeping workers (OMP_WAIT_POLICY=PASSIVE, or after their spin
-// time) costs about 0.1 ms on a 2-core VM: more than such a GEMM takes on one core (2^20
-// multiply-adds: 20-40 us). Measured there, 6x6 lattice at 1 MiB (8 slices, 1,000 GEMMs per
-// forward+backward): 180-221 -> 134-139 ms under PASSIVE, 72-77 ms either way under the default policy.
-constexpr double kSerialGemmMacs = 1 << 20;
+// Whether OMP_WAIT_POLICY=PASSIVE: OpenMP workers then sleep between parallel regions instead of
+// spinning, and waking them costs about 0.14 ms on a 2-core VM.
+bool passive_omp_workers() {
+  static const bool passive = [] {
+    const char* v = std::getenv("OMP_WAIT_POLICY");
+    if (v == nullptr) return false;
+    std::string s(v);
+    std::transform(s.begin(), s.end(), s.begin(), [](unsigned char c) { return std::tolower(c); });
+    return s == "passive";
+  }();
+  return passive;
+}
+
+// GEMMs below this many real multiply-adds run on the calling thread: MKL opens an OpenMP team
+// for every call, and waking its workers can cost more than they save. With spinning workers
+// (the default policy) measured on a 2-core VM: one thread is faster below 2^20 multiply-adds
+// (20-40 us on one core), two are 1.3-1.9x faster from 2^20 to 2^24. With sleeping workers
+// (PASSIVE) p threads win when a GEMM's one-core time T1 exceeds wake + T1 / p, i.e. above
+// wake x p / (p - 1); the wake, 0.14 ms, is the time of about 6e6 multiply-adds on one core
+// (there: 64 x 64 x 2048 takes 0.19 ms on one thread, 0.24 ms on two; 512 x 128 x 256, 0.33
+// and 0.26 ms).
+double serial_gemm_macs() {
+  if (!passive_omp_workers()) return 1 << 20;
+  const int p = std::max(2, at::get_num_threads());
+  return 6e6 * p / (p - 1);
+}
+
+// Real GEMMs whose result rows are shorter than this, over at least kThinMinMacs multiply-adds,
+// run as C^T = B^T A^T (see matmul3).
+constexpr int64_t kThinRow = 16;
+constexpr double kThinMinMacs = 1 << 17;
 
 // One BLAS thread for the calling thread while it lives, when `on`.
 class SerialBlas {
@@ -231,6 +263,46 @@ class SerialBlas {
   int prev_ = 0;
 };
 
+// The calling thread's OpenMP team of one while it lives, when `on`: ATen's parallel_for (copies,
+// sums, adds) then runs inline. Under OMP_WAIT_POLICY=PASSIVE a parallel region wakes sleeping
+// workers (about 0.14 ms on a 2-core VM), which costs more than it saves on these sizes: there a
+// transposing copy gains nothing from a second thread up to 2^22 elements, a contiguous add_
+// loses up to 2^20 (80 us on one thread, 117 us on two).
+class SerialOmp {
+ public:
+  explicit SerialOmp(bool on) {
+#ifdef _OPENMP
+    if (on && omp_get_max_threads() > 1) {
+      prev_ = omp_get_max_threads();
+      omp_set_num_threads(1);  // the nthreads ICV of this thread only
+    }
+#endif
+  }
+  ~SerialOmp() {
+#ifdef _OPENMP
+    if (prev_ > 0) omp_set_num_threads(prev_);
+#endif
+  }
+  SerialOmp(const SerialOmp&) = delete;
+  SerialOmp& operator=(const SerialOmp&) = delete;
+
+ private:
+  int prev_ = 0;
+};
+
+// Elements below which a step's tensors are handled on the calling thread under PASSIVE.
+constexpr double kSerialStepElems = 1 << 20;
+
+// Whether a CONTRACT step runs on the calling thread alone (SerialOmp): with sleeping OpenMP
+// workers, when its GEMM runs on one BLAS thread (serial_gemm_macs) and its operands and result
+// have fewer than kSerialStepElems elements each.
+bool serial_step(const Instr& in, const at::Tensor& like) {
+  if (!passive_omp_workers() || !like.defined() || !like.device().is_cpu()) return false;
+  const double bt = static_cast<double>(in.bt), m = in.m, k = in.kk, n = in.n;
+  const double macs = bt * m * k * n * (like.is_complex() ? 4 : 1);
+  return macs < serial_gemm_macs() && std::max({bt * m * k, bt * k * n, bt * m * n}) < kSerialStepElems;
+}
+
 // Every entry point's ATen calls skip the autograd and ADInplaceOrView kernels (see the top).
 using ExecutorScope = at::AutoDispatchBelowADInplaceOrView;
 
@@ -239,7 +311,19 @@ at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into 
   // Always bmm, even for one batch: for tiny products ATen's CPU bmm uses its own loop, where
   // mm would call BLAS, whose thread start-up dominates small GEMMs.
   const double macs = static_cast<double>(a3.numel()) * b3.size(2) * (a3.is_complex() ? 4 : 1);
-  SerialBlas serial(a3.device().is_cpu() && macs < kSerialGemmMacs);
+  const bool cpu = a3.device().is_cpu();
+  SerialBlas serial(cpu && macs < serial_gemm_macs());
+  const int64_t m = a3.size(1), k = a3.size(2), n = b3.size(2);
+  const bool real = a3.scalar_type() == at::kFloat || a3.scalar_type() == at::kDouble;
+  if (cpu && real && n < kThinRow && m >= 4 * n && k >= 4 * n && macs >= kThinMinMacs) {
+    // Result rows of n < 16 elements: MKL's row-major GEMM runs at 3-25 GFLOP/s on such shapes
+    // and at 40-47 on the transposed product (AMD EPYC, float32, [2048,64] x [64,8]: 2-12x
+    // faster, the transposing copy included; complex GEMMs gain nothing). The transposed
+    // result is a transient the memory model does not count: k >= 4n keeps it within a
+    // quarter of operand A (and of the limit; the model's cap leaves half the limit spare).
+    at::Tensor ct = at::bmm(b3.transpose(1, 2), a3.transpose(1, 2));
+    return into ? into->copy_(ct.transpose(1, 2)) : ct.transpose(1, 2).contiguous();
+  }
   return into ? at::bmm_out(*into, a3, b3) : at::bmm(a3, b3);
 }
 
@@ -311,6 +395,13 @@ at::Tensor run_range(const Program& P, State& st, const int64_t* idx, Mode mode,
   std::vector<std::vector<int64_t>>& shp = st.shp;
   const bool track = mode != Mode::kRun;
   size_t r = 0;
+  at::Tensor like;  // any tensor of the run: its device and dtype
+  for (const auto& x : slots)
+    if (x.defined()) {
+      like = x;
+      break;
+    }
+  if (!like.defined() && !replay.empty()) like = replay[0];
   for (size_t t = t0; t < t1; ++t) {
     const Instr& in = P.instrs[t];
     switch (in.op) {
@@ -328,6 +419,7 @@ at::Tensor run_range(const Program& P, State& st, const int64_t* idx, Mode mode,
         if (slots[in.slot].defined()) slots[in.slot] = slots[in.slot].sum(in.dims);
         break;
       case kContract: {
+        SerialOmp serial(serial_step(in, like));
         if (mode == Mode::kRun) {
           slots[in.c] = matmul3(gemm_a(stored_a(slots[in.a], in), in), gemm_b(stored_b(slots[in.b], in), in))
                             .view(in.shape_c);
@@ -583,6 +675,7 @@ void accumulate_gradients(const Program& P, at::TensorList operands, at::IntArra
       st.slots.clear();  // the saved GEMM operands hold what the sweep needs
       for (size_t t = bounds[j + 1]; t-- > bounds[j];) {
         const Instr& in = P.instrs[t];
+        SerialOmp serial(in.op == kContract && serial_step(in, operands[0]));
         if (in.op == kSum) {
           if (g[in.slot].defined()) {
             at::Tensor x = g[in.slot];

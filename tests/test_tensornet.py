@@ -808,6 +808,88 @@ def test_small_gemms_leave_the_blas_thread_count_as_it_was():
         torch.set_num_threads(before_threads)
 
 
+def _bmm_shapes(fn):
+    """The ([Bt,M,K], [Bt,K,N]) input shapes of every bmm that ``fn()`` runs."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        fn()
+    return [tuple(map(tuple, e.input_shapes[:2])) for e in prof.events() if e.name == "aten::bmm"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_thin_gemm_results_are_computed_transposed(dtype):
+    """MKL's GEMM into a row-major result with rows of fewer than 16 elements runs at a fraction
+    of its speed (2-12x slower on [2048,64] x [64,8] than the transposed product): the executor
+    computes such real products (rows n < 16, m >= 4n, k >= 4n), forward and backward, as
+    C^T = B^T A^T. Values and gradients equal torch.einsum's."""
+    cases = [(("ab", "bc"), "ac", dict(a=2048, b=64, c=8)),    # forward result [2048, 8]
+             (("ab", "bc"), "", dict(a=2048, b=64, c=8)),      # dB = A^T dC: [64, 2048] x [2048, 8]
+             (("abx", "bcx"), "acx", dict(a=512, b=32, c=4, x=3))]
+    for (ta, tb), out, sizes in cases:
+        g = torch.Generator().manual_seed(0)
+        arrays = [torch.randn([sizes[c] for c in t], generator=g, dtype=dtype, requires_grad=True) for t in (ta, tb)]
+        ref = [a.detach().clone().requires_grad_(True) for a in arrays]
+        res = {}
+
+        def run():
+            y = tn.contract(f"{ta},{tb}->{out}", *arrays)
+            res["y"] = y
+            y.backward(torch.ones_like(y))
+        thin = [(x, y) for x, y in _bmm_shapes(run)
+                if y[2] < 16 and x[1] >= 4 * y[2] and x[2] >= 4 * y[2] and x[0] * x[1] * x[2] * y[2] >= 2 ** 17]
+        assert not thin, thin
+        y_ref = torch.einsum(f"{ta},{tb}->{out}", *ref)
+        y_ref.backward(torch.ones_like(y_ref))
+        tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(res["y"], y_ref, **tol)
+        for a, r in zip(arrays, ref):
+            torch.testing.assert_close(a.grad, r.grad, **tol)
+
+
+_SUBPROCESS_PASSIVE = """
+import json, torch
+from torch_gradops import tensornet as tn
+from torch_gradops.testing import interleave, lattice_network
+torch.set_num_threads(2)
+out = []
+for dtype in (torch.float64, torch.complex128):
+    inputs, output, arrays = lattice_network(4, 4, 4, seed=1, dtype=dtype)
+    leaves = [a.clone().requires_grad_(True) for a in arrays]
+    for limit in (None, 2048):
+        p = tn.plan(*interleave(inputs, leaves, output), memory_limit=limit, optimize="greedy")
+        y = p.contract(*leaves)
+        y.real.backward()
+        out.append([complex(y.detach()).real, complex(y.detach()).imag, p.num_slices]
+                   + [float(a.grad.abs().sum()) for a in leaves])
+        for a in leaves:
+            a.grad = None
+print(json.dumps([torch.get_num_threads(), out]))
+"""
+
+
+def test_sleeping_openmp_workers_run_small_steps_inline():
+    """Under OMP_WAIT_POLICY=PASSIVE the executor runs small steps (their copies, adds and GEMMs)
+    on the calling thread, a team of one for the step: values and gradients equal those under
+    the default policy, and the caller's OpenMP thread count is back afterwards."""
+    import json
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = {}
+    for policy in ("PASSIVE", None):
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+        env.update(PYTHONPATH=root, OMP_NUM_THREADS="2")
+        if policy:
+            env["OMP_WAIT_POLICY"] = policy
+        res = subprocess.run([sys.executable, "-c", _SUBPROCESS_PASSIVE], capture_output=True, text=True, env=env,
+                             cwd=root, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[policy] = json.loads(res.stdout.splitlines()[-1])
+    assert runs["PASSIVE"][0] == 2 and runs[None][0] == 2
+    assert any(r[2] > 1 for r in runs[None][1])  # a sliced run among them
+    torch.testing.assert_close(torch.tensor(runs["PASSIVE"][1]), torch.tensor(runs[None][1]), rtol=1e-10, atol=1e-10)
+
+
 @pytest.mark.parametrize("kind", ["lattice", "circuit"])
 def test_peak_memory_within_contract_on_real_networks(kind):
     """The contract on networks shaped like the benchmarks' (a lattice; a complex circuit
