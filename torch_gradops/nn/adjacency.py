@@ -230,8 +230,8 @@ def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):
         if num_loops is not None:
             # set_diag returns a row-major (dst, src)-sorted adjacency: sort our edges alike.
             loops = torch.arange(num_loops, device=src.device)
-            s = torch.cat([src[keep], loops]).long()
-            d = torch.cat([dst[keep], loops]).long()
+            s = torch.cat([src.index_select(0, kept), loops]).long()
+            d = torch.cat([dst.index_select(0, kept), loops]).long()
             alpha = alpha[torch.argsort(d * max(adj.size(1), 1) + s, stable=True)]
         return adj.set_value(alpha, layout='coo')
     if is_torch_sparse_tensor(edge_index):
@@ -241,7 +241,8 @@ def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):
         # build it from our edge list the same way, carrying the attention as values.
         from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor
         loops = torch.arange(num_loops, device=src.device)
-        full = torch.stack([torch.cat([dst[keep].long(), loops]), torch.cat([src[keep].long(), loops])])
+        full = torch.stack([torch.cat([dst.index_select(0, kept).long(), loops]),
+                            torch.cat([src.index_select(0, kept).long(), loops])])
         size = (edge_index.size(0), edge_index.size(1))
         build = {torch.sparse_coo: to_torch_coo_tensor, torch.sparse_csr: to_torch_csr_tensor,
                  torch.sparse_csc: to_torch_csc_tensor}[edge_index.layout]
