@@ -245,6 +245,7 @@ double serial_gemm_macs() {
 // run as C^T = B^T A^T (see matmul3).
 constexpr int64_t kThinRow = 16;
 constexpr double kThinMinMacs = 1 << 17;
+constexpr int64_t kThinWhole = 1 << 14;
 
 // One BLAS thread for the calling thread while it lives, when `on`.
 class SerialBlas {
@@ -319,10 +320,18 @@ at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into 
     // Result rows of n < 16 elements: MKL's row-major GEMM runs at 3-25 GFLOP/s on such shapes
     // and at 40-47 on the transposed product (AMD EPYC, float32, [2048,64] x [64,8]: 2-12x
     // faster, the transposing copy included; complex GEMMs gain nothing). The transposed
-    // result is a transient the memory model does not count: k >= 4n keeps it within a
-    // quarter of operand A (and of the limit; the model's cap leaves half the limit spare).
-    at::Tensor ct = at::bmm(b3.transpose(1, 2), a3.transpose(1, 2));
-    return into ? into->copy_(ct.transpose(1, 2)) : ct.transpose(1, 2).contiguous();
+    // product of a block of rows goes through a buffer the memory model does not count: blocks
+    // of a quarter of the rows (m >= 4n keeps each block's GEMM at least n wide) bound it by a
+    // quarter of the result, which the step makes anyway; results under kThinWhole elements
+    // go in one block.
+    at::Tensor out = into ? *into : at::empty({a3.size(0), m, n}, a3.options());
+    const int64_t rows = out.numel() > kThinWhole ? (m + 3) / 4 : m;
+    const at::Tensor bt = b3.transpose(1, 2);
+    for (int64_t r0 = 0; r0 < m; r0 += rows) {
+      const int64_t r = std::min(rows, m - r0);
+      out.narrow(1, r0, r).copy_(at::bmm(bt, a3.narrow(1, r0, r).transpose(1, 2)).transpose(1, 2));
+    }
+    return out;
   }
   return into ? at::bmm_out(*into, a3, b3) : at::bmm(a3, b3);
 }

@@ -821,24 +821,32 @@ def test_thin_gemm_results_are_computed_transposed(dtype):
     """MKL's GEMM into a row-major result with rows of fewer than 16 elements runs at a fraction
     of its speed (2-12x slower on [2048,64] x [64,8] than the transposed product): the executor
     computes such real products (rows n < 16, m >= 4n, k >= 4n), forward and backward, as
-    C^T = B^T A^T. Values and gradients equal torch.einsum's."""
-    cases = [(("ab", "bc"), "ac", dict(a=2048, b=64, c=8)),    # forward result [2048, 8]
-             (("ab", "bc"), "", dict(a=2048, b=64, c=8)),      # dB = A^T dC: [64, 2048] x [2048, 8]
-             (("abx", "bcx"), "acx", dict(a=512, b=32, c=4, x=3))]
-    for (ta, tb), out, sizes in cases:
+    C^T = B^T A^T, a block of rows at a time. No bmm of such a shape runs (each case ran one
+    on the previous executor), and values and gradients equal torch.einsum's."""
+    cases = [  # (terms, output, sizes); each runs a thin product on the previous executor
+        (("ab", "bc"), "ac", dict(a=2048, b=64, c=8)),          # dB = A^T dC: [64,2048] x [2048,8]
+        (("ab", "bc"), "ac", dict(a=2048, b=8, c=64)),          # dA = dC B^T: [2048,64] x [64,8]
+        (("abx", "bcx"), "acx", dict(a=512, b=4, c=32, x=3)),   # batched: [3,512,32] x [3,32,4], ...
+        (("ab", "bc"), "ac", dict(a=4096, b=8, c=64)),          # 2^15 result elements: 4 blocks of rows
+    ]
+    for terms, out, sizes in cases:
         g = torch.Generator().manual_seed(0)
-        arrays = [torch.randn([sizes[c] for c in t], generator=g, dtype=dtype, requires_grad=True) for t in (ta, tb)]
+        arrays = [torch.randn([sizes[c] for c in t], generator=g, dtype=dtype, requires_grad=True) for t in terms]
         ref = [a.detach().clone().requires_grad_(True) for a in arrays]
+        expr = ",".join(terms) + "->" + out
         res = {}
 
         def run():
-            y = tn.contract(f"{ta},{tb}->{out}", *arrays)
+            y = tn.contract(expr, *arrays)
             res["y"] = y
             y.backward(torch.ones_like(y))
-        thin = [(x, y) for x, y in _bmm_shapes(run)
+        shapes = _bmm_shapes(run)
+        thin = [(x, y) for x, y in shapes
                 if y[2] < 16 and x[1] >= 4 * y[2] and x[2] >= 4 * y[2] and x[0] * x[1] * x[2] * y[2] >= 2 ** 17]
-        assert not thin, thin
-        y_ref = torch.einsum(f"{ta},{tb}->{out}", *ref)
+        assert not thin, (expr, thin)
+        if sizes.get("a") == 4096:  # dA^T = B dC^T by blocks of 1024 rows of dA
+            assert shapes.count(((1, 8, 64), (1, 64, 1024))) == 4, shapes
+        y_ref = torch.einsum(expr, *ref)
         y_ref.backward(torch.ones_like(y_ref))
         tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=1e-10, atol=1e-10)
         torch.testing.assert_close(res["y"], y_ref, **tol)
@@ -869,8 +877,9 @@ print(json.dumps([torch.get_num_threads(), out]))
 
 def test_sleeping_openmp_workers_run_small_steps_inline():
     """Under OMP_WAIT_POLICY=PASSIVE the executor runs small steps (their copies, adds and GEMMs)
-    on the calling thread, a team of one for the step: values and gradients equal those under
-    the default policy, and the caller's OpenMP thread count is back afterwards."""
+    on the calling thread, a team of one for the step. What a test can see of it: values and
+    gradients equal those under the default policy, and the caller's OpenMP thread count is
+    back afterwards (fails when the guard does not restore it); the speed is the benchmarks'."""
     import json
     import subprocess
     import sys
