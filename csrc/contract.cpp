@@ -322,7 +322,7 @@ at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into 
     // faster, the transposing copy included; complex GEMMs gain nothing). The transposed
     // product of a block of rows goes through a buffer the memory model does not count: blocks
     // of a quarter of the rows (m >= 4n keeps each block's GEMM at least n wide) bound it by a
-    // quarter of the result, which the step makes anyway; results under kThinWhole elements
+    // quarter of the result, which the step makes anyway; results of at most kThinWhole elements
     // go in one block.
     at::Tensor out = into ? *into : at::empty({a3.size(0), m, n}, a3.options());
     const int64_t rows = out.numel() > kThinWhole ? (m + 3) / 4 : m;
