@@ -404,13 +404,15 @@ at::Tensor run_range(const Program& P, State& st, const int64_t* idx, Mode mode,
   std::vector<std::vector<int64_t>>& shp = st.shp;
   const bool track = mode != Mode::kRun;
   size_t r = 0;
-  at::Tensor like;  // any tensor of the run: its device and dtype
-  for (const auto& x : slots)
-    if (x.defined()) {
-      like = x;
-      break;
-    }
-  if (!like.defined() && !replay.empty()) like = replay[0];
+  at::Tensor like;  // any tensor of the run, for serial_step's device and dtype (PASSIVE only)
+  if (passive_omp_workers()) {
+    for (const auto& x : slots)
+      if (x.defined()) {
+        like = x;
+        break;
+      }
+    if (!like.defined() && !replay.empty()) like = replay[0];
+  }
   for (size_t t = t0; t < t1; ++t) {
     const Instr& in = P.instrs[t];
     switch (in.op) {
