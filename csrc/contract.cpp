@@ -656,19 +656,42 @@ void accumulate_gradients(const Program& P, at::TensorList operands, at::IntArra
         }
     }
   }
+  // The slots each segment reads that an earlier segment made (or the operands): all that its
+  // checkpoint keeps. A slot read only by a later segment is kept by that segment's checkpoint
+  // alone, so that once a segment has copied an earlier intermediate into its GEMM layout the
+  // original is freed, and its gradient (written over the copy) is the only one held.
+  std::vector<std::vector<int64_t>> reads(nseg);
+  for (size_t j = 0; j < nseg; ++j) {
+    std::vector<char> made(P.n_slots, 0), seen(P.n_slots, 0);
+    auto read = [&](int64_t s) {
+      if (!made[s] && !seen[s]) {
+        seen[s] = 1;
+        reads[j].push_back(s);
+      }
+    };
+    for (size_t t = bounds[j]; t < bounds[j + 1]; ++t) {
+      const Instr& in = P.instrs[t];
+      if (in.op == kSelect || in.op == kSum || in.op == kFinal) read(in.slot);
+      if (in.op == kContract) {
+        read(in.a);
+        read(in.b);
+        made[in.c] = 1;
+      }
+    }
+  }
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* idx = P.n_sliced ? slice_table.data() + row * P.n_sliced : nullptr;
     std::fill(saved.begin(), saved.end(), Saved{});
     std::fill(g.begin(), g.end(), at::Tensor());
-    // Forward to the last checkpoint, keeping the live slots at each one (tensor handles).
+    // Forward to the last checkpoint, keeping at each one the slots its segment reads.
     std::vector<std::vector<at::Tensor>> snaps(nseg);
     {
       State st = initial_state(P, operands, /*track=*/false);
-      for (size_t j = 0; j + 1 < nseg; ++j) {
-        snaps[j] = st.slots;
-        run_range(P, st, idx, Mode::kRun, bounds[j], bounds[j + 1]);
+      for (size_t j = 0; j < nseg; ++j) {
+        snaps[j].resize(P.n_slots);
+        for (int64_t s : reads[j]) snaps[j][s] = st.slots[s];
+        if (j + 1 < nseg) run_range(P, st, idx, Mode::kRun, bounds[j], bounds[j + 1]);
       }
-      snaps[nseg - 1] = std::move(st.slots);
     }
     if (needs[fin.slot]) g[fin.slot] = block_of(grad_out, fin, idx).permute(fin_inv);
     for (size_t j = nseg; j-- > 0;) {

@@ -206,21 +206,6 @@ def _transients(costs: StepCosts, copies=None, complex_=False) -> List[int]:
     return out
 
 
-def _step_items(costs: StepCosts, copies, j, lo) -> int:
-    """Elements step ``j`` adds to what a segment starting at step ``lo`` holds: its result, and
-    the copies it makes of intermediates from earlier segments (whose originals the checkpoint
-    keeps)."""
-    held = costs.result[j]
-    if copies is not None:
-        held += sum(costs.result[p] for p in copies[j][0] if p < lo)
-    return held
-
-
-def _segment_items(costs: StepCosts, copies, lo, hi) -> int:
-    """Elements a segment's recomputation holds: :func:`_step_items` of its steps."""
-    return sum(_step_items(costs, copies, j, lo) for j in range(lo, hi))
-
-
 def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None, complex_=False,
                  trans: Optional[List[int]] = None) -> int:
     """Elements that one slice's forward + backward holds at most beyond the operands (and
@@ -228,13 +213,15 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     CHECKPOINT before each step in ``checkpoints``: the model of the executor
     (``csrc/contract.cpp``).
 
-    The executor runs the forward to the last checkpoint keeping the live intermediates at each
-    checkpoint, then from the last segment to the first recomputes the segment keeping its GEMM
-    operands and sweeps back through it, writing each operand's gradient over the operand. So
-    an intermediate's memory lives from its creation to the backward of the step that made it,
-    and while segment ``s`` is processed the executor holds every intermediate of ``s``, the
-    intermediates of earlier segments that later segments read (checkpointed), and one step's
-    transients (:func:`_transients`). ``copies``: per step (the steps whose results it copies,
+    The executor runs the forward to the last checkpoint keeping at each checkpoint the
+    intermediates of earlier segments that its own segment reads, then from the last segment to
+    the first recomputes the segment keeping its GEMM operands and sweeps back through it,
+    writing each operand's gradient over the operand (over the copy where the step copied it
+    into its GEMM layout: only the reading segment's checkpoint keeps the original, which the
+    copy replaces). So an intermediate's memory lives from its creation to the backward of the
+    step that made it, and while segment ``s`` is processed the executor holds every
+    intermediate of ``s``, the intermediates of earlier segments that later segments read
+    (checkpointed), and one step's transients (:func:`_transients`). ``copies``: per step (the steps whose results it copies,
     whether its result is copied by its reader), from the compiler; None: no copies.
     ``trans``: :func:`_transients` when the caller has them."""
     n = len(costs.result)
@@ -248,7 +235,7 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
         lo, hi = bounds[s], bounds[s + 1]
         if lo >= hi:
             continue
-        peak = max(peak, cross + _segment_items(costs, copies, lo, hi) + max(trans[lo:hi]))
+        peak = max(peak, cross + sum(costs.result[lo:hi]) + max(trans[lo:hi]))
         cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
     return peak
 
@@ -275,22 +262,13 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     whole = sum(result) + max(trans)  # memory_model without checkpoints: one segment
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0
-    copied_from = [()] * n if copies is None else [c[0] for c in copies]
-    # live[b]: intermediates made before step b and read at or after it (all checkpointed);
-    # copied_live[b]: those of them whose reader copies them (the last segment holds the copy)
+    # live[b]: intermediates made before step b and read at or after it (all checkpointed)
     live = [0] * (n + 1)
-    copied_live = [0] * (n + 1)
     consumed_at = [0] * (n + 1)
-    copied_at = [0] * (n + 1)
-    is_copied = [False] * n
     for j in range(n):
         consumed_at[consumer[j]] += result[j]
-        for p in copied_from[j]:
-            is_copied[p] = True
-            copied_at[j] += result[p]
     for b in range(n):
         live[b + 1] = live[b] + result[b] - consumed_at[b]
-        copied_live[b + 1] = copied_live[b] + (result[b] if is_copied[b] else 0) - copied_at[b]
     tail_held = [0] * (n + 1)
     tail_trans = [0] * (n + 1)
     for b in range(n - 1, -1, -1):
@@ -309,17 +287,12 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         j = b - 1  # the step that joins the current segment, or starts the next
         prefix_macs += macs[j]
         rj, tj = result[j], trans[j]
-        add = rj
-        for p in copied_from[j]:  # usually none
-            if p < lo:
-                add += result[p]
-        if j > lo and cross + held + add + max(top, tj) > cap:  # close segment [lo, j)
+        if j > lo and cross + held + rj + max(top, tj) > cap:  # close segment [lo, j)
             prior_peak = max(prior_peak, cross + held + top)
             cross += out_of
             lo, held, top, out_of = j, 0, 0, 0
             starts.append(lo)
-            add = rj + copied_at[j]  # a segment's first step copies every intermediate it reads
-        held += add
+        held += rj
         if tj > top:
             top = tj
         # step j reads its operands (no longer read after it) and makes a result read later
@@ -333,7 +306,7 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
             continue  # even with nothing else checkpointed the last segment does not fit
         # checkpoints at the greedy starts before b and at b: segment [lo, b) cut at b
         peak = max(prior_peak, cross + held + top,
-                   cross + out_of + tail_held[b] + copied_live[b] + tail_trans[b])
+                   cross + out_of + tail_held[b] + tail_trans[b])
         if peak <= cap:
             return peak, starts[1:] + [b], prefix_macs
         if peak < best[0]:
@@ -342,7 +315,7 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         # memory_model with a segment per step: every earlier result is checkpointed
         peak, made = 0, 0
         for j in range(n):
-            peak = max(peak, made + result[j] + copied_at[j] + trans[j])
+            peak = max(peak, made + result[j] + trans[j])
             made += result[j]
         if peak < best[0]:
             best = (peak, list(range(1, n)), sum(costs.macs[:-1]))
