@@ -221,7 +221,10 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     copy replaces). So an intermediate's memory lives from its creation to the backward of the
     step that made it, and while segment ``s`` is processed the executor holds every
     intermediate of ``s``, the intermediates of earlier segments that later segments read
-    (checkpointed), and one step's transients (:func:`_transients`). ``copies``: per step (the steps whose results it copies,
+    (checkpointed), and one step's transients (:func:`_transients`). A step's transients
+    coexist only with the segment's intermediates up to its own: in the recomputation the
+    later ones are not made yet, and in the reverse sweep their memory is freed once their
+    own step's gradients are done. ``copies``: per step (the steps whose results it copies,
     whether its result is copied by its reader), from the compiler; None: no copies.
     ``trans``: :func:`_transients` when the caller has them."""
     n = len(costs.result)
@@ -233,11 +236,61 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     peak, cross = 0, 0
     for s in range(len(bounds) - 1):
         lo, hi = bounds[s], bounds[s + 1]
-        if lo >= hi:
-            continue
-        peak = max(peak, cross + sum(costs.result[lo:hi]) + max(trans[lo:hi]))
+        held = 0
+        for j in range(lo, hi):  # step j's transients come while the segment holds steps lo..j
+            held += costs.result[j]
+            peak = max(peak, cross + held + trans[j])
         cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
     return peak
+
+
+def _fewest_recomputed(costs: StepCosts, trans: List[int], tail: List[int], cap: float) -> Optional[List[int]]:
+    """The checkpoints of the placement within ``cap`` whose last checkpoint is earliest (the
+    least recomputation), or None when no placement fits: a forward pass over the boundaries
+    keeping, for each boundary ``b``, the least ``cross`` (elements checkpointed there, made
+    earlier and read at or after ``b``) of any placement of earlier checkpoints whose segments
+    all fit. A later segment's memory grows with ``cross`` and with nothing else from before
+    ``b``, so the least ``cross`` decides whether anything fits after ``b``: exact, where a
+    greedy placement (longest segments first) can check in more than it needs and miss a fit.
+    Work: the steps times the longest segment within the cap."""
+    n = len(costs.result)
+    result, consumer = costs.result, costs.consumer
+    made = [0] * (n + 1)  # made[j]: elements of steps 0..j-1
+    live = [0] * (n + 1)  # live[b]: elements made before b and read at or after it
+    consumed_at = [0] * (n + 1)
+    for j in range(n):
+        made[j + 1] = made[j] + result[j]
+        consumed_at[consumer[j]] += result[j]
+    for j in range(n):
+        live[j + 1] = live[j] + result[j] - consumed_at[j]
+    # a checkpoint at b keeps at least live[b]: no b past the last one where the last segment
+    # fits with just that can end a placement
+    last = max((b for b in range(1, n) if live[b] + tail[b] <= cap), default=0)
+    inf = float("inf")
+    best, back = [inf] * (last + 1), [0] * (last + 1)
+    best[0] = 0
+    for b in range(1, last + 1):
+        # the segment [p, b) before it, for p = b-1, b-2, ... while it fits the cap alone
+        top, out, least, at = -inf, 0, inf, 0
+        for p in range(b - 1, -1, -1):
+            t = made[p + 1] + trans[p]  # held up to step p + its transients
+            if t > top:
+                top = t
+            seg = top - made[p]  # the segment's peak: a step's transients over the steps up to it
+            if seg > cap:
+                break  # longer segments (smaller p) hold more
+            if consumer[p] >= b:
+                out += result[p]
+            c = best[p]
+            if c + seg <= cap and c + out < least:
+                least, at = c + out, p
+        best[b], back[b] = least, at
+        if least + tail[b] <= cap:  # the last segment [b, n) fits: b is the earliest
+            bounds = [b]
+            while back[bounds[-1]] > 0:
+                bounds.append(back[bounds[-1]])
+            return bounds[::-1]
+    return None
 
 
 def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
@@ -247,21 +300,28 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     lowest-peak placement found when none fits (the caller then slices more).
 
     The executor recomputes, once, every step before the last checkpoint; so the cost depends
-    only on the last checkpoint ``b``, which goes as early as the memory allows, and the
-    earlier ones are placed greedily (each segment as long as the cap allows). The greedy
-    segments do not depend on ``b`` (it only cuts the segment it falls in), so one greedy pass
-    serves every ``b`` and each placement's peak is read off running totals: linear in the
-    steps (and the copies), where a placement per ``b`` would be quadratic (the planner calls
-    this for every candidate slicing). ``copies[j][0]`` lists producers of step ``j``'s own
-    operands, as :func:`~.compiler.compile_program` reports them."""
+    only on the last checkpoint ``b``, which goes as early as the memory allows. Whether some
+    placement of the earlier checkpoints fits with a last checkpoint at ``b`` is decided
+    exactly (:func:`_fewest_recomputed`). When none fits, one greedy pass (each segment as long
+    as the cap allows) gives the lowest peak it finds over every ``b``, each read off running
+    totals. ``copies[j][0]`` lists producers of step ``j``'s own operands, as
+    :func:`~.compiler.compile_program` reports them."""
     n = len(costs.result)
     if n == 0:
         return 0, [], 0
     result, consumer = costs.result, costs.consumer
     trans = _transients(costs, copies, complex_)
-    whole = sum(result) + max(trans)  # memory_model without checkpoints: one segment
+    # tail[b]: the most that the steps b.. hold as one segment (held up to a step + its
+    # transients); tail[0] is memory_model without checkpoints
+    tail = [0] * (n + 1)
+    for b in range(n - 1, -1, -1):
+        tail[b] = result[b] + max(trans[b], tail[b + 1])
+    whole = tail[0]
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0
+    fit = _fewest_recomputed(costs, trans, tail, cap)
+    if fit is not None:
+        return memory_model(costs, fit, trans=trans), fit, sum(costs.macs[:fit[-1]])
     # live[b]: intermediates made before step b and read at or after it (all checkpointed)
     live = [0] * (n + 1)
     consumed_at = [0] * (n + 1)
@@ -269,17 +329,13 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         consumed_at[consumer[j]] += result[j]
     for b in range(n):
         live[b + 1] = live[b] + result[b] - consumed_at[b]
-    tail_held = [0] * (n + 1)
-    tail_trans = [0] * (n + 1)
-    for b in range(n - 1, -1, -1):
-        tail_held[b] = tail_held[b + 1] + result[b]
-        tail_trans[b] = max(tail_trans[b + 1], trans[b])
     best, prefix_macs = (whole, [], 0), 0
-    # the last b at which the last segment alone fits: the pass need not go past it
-    last = max((b for b in range(1, n) if live[b] + tail_held[b] + tail_trans[b] <= cap), default=0)
+    # nothing fits (_fewest_recomputed): the lowest peak of a greedy placement per b, up to
+    # the last b at which the last segment alone fits
+    last = max((b for b in range(1, n) if live[b] + tail[b] <= cap), default=0)
     # One greedy pass: the current segment starts at ``lo`` (``starts``: every segment's
-    # start), holds ``held`` elements with largest transient ``top`` on top of ``cross``
-    # checkpointed elements of the earlier segments, whose peaks were ``prior_peak``.
+    # start) and holds ``held`` elements, at most ``top`` with a step's transients, on top of
+    # ``cross`` checkpointed elements of the earlier segments, whose peaks were ``prior_peak``.
     # ``out_of``: elements made in [lo, b) and read at or after b (checkpointed at b).
     starts, lo, cross, prior_peak, held, top, out_of = [0], 0, 0, 0, 0, 0, 0
     macs, from_step = costs.macs, costs.from_step
@@ -287,28 +343,25 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         j = b - 1  # the step that joins the current segment, or starts the next
         prefix_macs += macs[j]
         rj, tj = result[j], trans[j]
-        if j > lo and cross + held + rj + max(top, tj) > cap:  # close segment [lo, j)
-            prior_peak = max(prior_peak, cross + held + top)
+        if j > lo and cross + max(top, held + rj + tj) > cap:  # close segment [lo, j)
+            prior_peak = max(prior_peak, cross + top)
             cross += out_of
             lo, held, top, out_of = j, 0, 0, 0
             starts.append(lo)
         held += rj
-        if tj > top:
-            top = tj
+        if held + tj > top:
+            top = held + tj
         # step j reads its operands (no longer read after it) and makes a result read later
         out_of += rj
         for p in from_step[j]:
             if p >= lo:
                 out_of -= result[p]
-        if j == lo and cross + held + top > cap:
+        if j == lo and cross + top > cap:
             break  # a step alone does not fit: no later b does
-        if live[b] + tail_held[b] + tail_trans[b] > cap:
+        if live[b] + tail[b] > cap:
             continue  # even with nothing else checkpointed the last segment does not fit
         # checkpoints at the greedy starts before b and at b: segment [lo, b) cut at b
-        peak = max(prior_peak, cross + held + top,
-                   cross + out_of + tail_held[b] + tail_trans[b])
-        if peak <= cap:
-            return peak, starts[1:] + [b], prefix_macs
+        peak = max(prior_peak, cross + top, cross + out_of + tail[b])  # over the cap
         if peak < best[0]:
             best = (peak, starts[1:] + [b], prefix_macs)
     if best[1] == [] and n > 1:  # nothing fits: the lowest-peak placement (a checkpoint per step)
