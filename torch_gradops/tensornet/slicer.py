@@ -244,7 +244,8 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     return peak
 
 
-def _fewest_recomputed(costs: StepCosts, trans: List[int], tail: List[int], cap: float) -> Optional[List[int]]:
+def _fewest_recomputed(costs: StepCosts, trans: List[int], tail: List[int], last: int,
+                       cap: float) -> Optional[List[int]]:
     """The checkpoints of the placement within ``cap`` whose last checkpoint is earliest (the
     least recomputation), or None when no placement fits: a forward pass over the boundaries
     keeping, for each boundary ``b``, the least ``cross`` (elements checkpointed there, made
@@ -252,20 +253,14 @@ def _fewest_recomputed(costs: StepCosts, trans: List[int], tail: List[int], cap:
     all fit. A later segment's memory grows with ``cross`` and with nothing else from before
     ``b``, so the least ``cross`` decides whether anything fits after ``b``: exact, where a
     greedy placement (longest segments first) can check in more than it needs and miss a fit.
-    Work: the steps times the longest segment within the cap."""
+    ``last``: the last boundary at which the last segment fits with only what must be
+    checkpointed there (none past it can end a placement). Work: the steps times the longest
+    segment within the cap."""
     n = len(costs.result)
     result, consumer = costs.result, costs.consumer
     made = [0] * (n + 1)  # made[j]: elements of steps 0..j-1
-    live = [0] * (n + 1)  # live[b]: elements made before b and read at or after it
-    consumed_at = [0] * (n + 1)
     for j in range(n):
         made[j + 1] = made[j] + result[j]
-        consumed_at[consumer[j]] += result[j]
-    for j in range(n):
-        live[j + 1] = live[j] + result[j] - consumed_at[j]
-    # a checkpoint at b keeps at least live[b]: no b past the last one where the last segment
-    # fits with just that can end a placement
-    last = max((b for b in range(1, n) if live[b] + tail[b] <= cap), default=0)
     inf = float("inf")
     best, back = [inf] * (last + 1), [0] * (last + 1)
     best[0] = 0
@@ -319,9 +314,6 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     whole = tail[0]
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0
-    fit = _fewest_recomputed(costs, trans, tail, cap)
-    if fit is not None:
-        return memory_model(costs, fit, trans=trans), fit, sum(costs.macs[:fit[-1]])
     # live[b]: intermediates made before step b and read at or after it (all checkpointed)
     live = [0] * (n + 1)
     consumed_at = [0] * (n + 1)
@@ -329,10 +321,14 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
         consumed_at[consumer[j]] += result[j]
     for b in range(n):
         live[b + 1] = live[b] + result[b] - consumed_at[b]
-    best, prefix_macs = (whole, [], 0), 0
-    # nothing fits (_fewest_recomputed): the lowest peak of a greedy placement per b, up to
-    # the last b at which the last segment alone fits
+    # a checkpoint at b keeps at least live[b]: no placement ends past the last b at which the
+    # last segment fits with just that
     last = max((b for b in range(1, n) if live[b] + tail[b] <= cap), default=0)
+    fit = _fewest_recomputed(costs, trans, tail, last, cap)
+    if fit is not None:
+        return memory_model(costs, fit, trans=trans), fit, sum(costs.macs[:fit[-1]])
+    # nothing fits: the lowest peak of a greedy placement per b up to ``last``
+    best, prefix_macs = (whole, [], 0), 0
     # One greedy pass: the current segment starts at ``lo`` (``starts``: every segment's
     # start) and holds ``held`` elements, at most ``top`` with a step's transients, on top of
     # ``cross`` checkpointed elements of the earlier segments, whose peaks were ``prior_peak``.
