@@ -22,6 +22,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -81,5 +82,33 @@ CompiledProgram compile_contract_program(const std::vector<std::vector<int64_t>>
                                          const std::vector<std::pair<int64_t, int64_t>>& path,
                                          const std::vector<int64_t>& sliced, int64_t itemsize, bool is_complex,
                                          const std::vector<int64_t>& checkpoints, int64_t quick_macs);
+
+// The planner's model of one slice's forward + backward memory (contract_memory.cpp; documented
+// in torch_gradops/tensornet/slicer.py), per pairwise step of one slice, in elements. Counts are
+// doubles: exact below 2^53 elements, relative error 1e-16 above (a model, not an allocation).
+struct StepMemory {
+  std::vector<double> result;                           // the step's result
+  std::vector<int64_t> consumer;                        // the step that reads it; n for the last
+  std::vector<std::pair<int64_t, int64_t>> from_step;  // the steps that made its operands; -1: operand
+  std::vector<double> trans;                            // what it holds briefly (step_transients)
+};
+
+// Per step, what it holds briefly beyond the slice's intermediates (slicer._transients), from its
+// operands' sizes and, when the compiled layout is known, `copies`: per step the steps whose
+// results it copies into its GEMM layout and whether its reader copies its result.
+std::vector<double> step_transients(const std::vector<std::pair<double, double>>& inputs,
+                                    const std::vector<double>& result,
+                                    const std::vector<std::pair<std::vector<int64_t>, bool>>* copies, bool is_complex);
+
+// The modelled peak with a backward CHECKPOINT before each step in `checkpoints` (slicer.memory_model).
+double checkpointed_peak(const StepMemory& c, const std::vector<int64_t>& checkpoints);
+
+// slicer.place_checkpoints: the checkpoints of least recomputation within `cap` elements (no
+// cap: none) and their modelled peak, or, when none fits, the lowest-peak placement found.
+struct CheckpointPlacement {
+  double peak = 0;
+  std::vector<int64_t> checkpoints;
+};
+CheckpointPlacement place_checkpoints(const StepMemory& c, std::optional<double> cap);
 
 }  // namespace torch_gradops

@@ -48,6 +48,37 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return pybind11::make_tuple(program, steps);
         },
         "The contraction compiler (torch_gradops/tensornet/compiler.py): (encoded program, steps).");
+  // The planner's memory model (torch_gradops/tensornet/slicer.py wraps these).
+  using Copies = std::vector<std::pair<std::vector<int64_t>, bool>>;
+  m.def("step_transients",
+        [](const std::vector<std::pair<double, double>>& inputs, const std::vector<double>& result,
+           const std::optional<Copies>& copies, bool is_complex) {
+          return torch_gradops::step_transients(inputs, result, copies ? &*copies : nullptr, is_complex);
+        },
+        "Per step, what it holds briefly beyond the slice's intermediates (elements).");
+  m.def("checkpointed_peak",
+        [](const std::vector<double>& result, const std::vector<int64_t>& consumer, const std::vector<double>& trans,
+           const std::vector<int64_t>& checkpoints) {
+          TORCH_CHECK(consumer.size() == result.size() && trans.size() == result.size(),
+                      "checkpointed_peak: result, consumer and trans must have one entry per step");
+          for (size_t j = 0; j < consumer.size(); ++j)
+            TORCH_CHECK(consumer[j] > static_cast<int64_t>(j) && consumer[j] <= static_cast<int64_t>(result.size()),
+                        "checkpointed_peak: consumer of step ", j, " out of range");
+          torch_gradops::StepMemory c{result, consumer, {}, trans};
+          return torch_gradops::checkpointed_peak(c, checkpoints);
+        },
+        "The modelled peak (elements) with a checkpoint before each step in checkpoints.");
+  m.def("place_checkpoints",
+        [](const std::vector<double>& result, const std::vector<int64_t>& consumer,
+           const std::vector<std::pair<int64_t, int64_t>>& from_step, const std::vector<std::pair<double, double>>& inputs,
+           const std::optional<Copies>& copies, bool is_complex, std::optional<double> cap) {
+          torch_gradops::StepMemory c{result, consumer, from_step,
+                                      torch_gradops::step_transients(inputs, result, copies ? &*copies : nullptr,
+                                                                     is_complex)};
+          auto r = torch_gradops::place_checkpoints(c, cap);
+          return std::make_pair(r.peak, r.checkpoints);
+        },
+        "(modelled peak, checkpoints): the least-recomputation checkpoints within cap elements.");
   m.def("reencode_contract_program", [](std::vector<int64_t> program, int64_t n_operands) {
     return torch_gradops::encode_program(torch_gradops::decode_program(program, n_operands));
   }, "Decode a contraction program with the executor's decoder and encode it again.");

@@ -23,6 +23,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from .. import library
+
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
            "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
            "slicing_work", "STEP_OVERHEAD_MACS", "MAX_SLICES", "Slices"]
@@ -185,29 +187,18 @@ def mode_steps(steps) -> Dict[int, Tuple[Tuple[int, ...], ...]]:
 
 
 # ---------------------------------------------------------------------------- memory model
-def _transients(costs: StepCosts, copies=None, complex_=False) -> List[int]:
+def _transients(costs: StepCosts, copies=None, complex_=False) -> List[float]:
     """Per step, what it holds briefly beyond the slice's intermediates: in the forward, the
     copies of intermediate operands it lays out for the GEMM (the original is freed after the
     step); in the backward, the gradient of the smaller operand (the larger one is written over
     its own operand), a contiguous copy of the result's gradient when its reader copied the
-    result, and for complex dtypes a conjugated copy of one operand."""
-    if copies is None:
-        return [a + b if complex_ else min(a, b) for a, b in costs.inputs]
-    result, out = costs.result, []
-    for (ia, ib), (copied_in, copied_out), r in zip(costs.inputs, copies, result):
-        t = min(ia, ib)
-        if copied_out:
-            t += r
-        if copied_in:
-            t = max(t, sum([result[p] for p in copied_in]))
-        if complex_:
-            t += max(ia, ib)
-        out.append(t)
-    return out
+    result, and for complex dtypes a conjugated copy of one operand. (C++:
+    ``csrc/contract_memory.cpp``, as the rest of the model.)"""
+    return library._C.step_transients(costs.inputs, costs.result, copies, bool(complex_))
 
 
 def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None, complex_=False,
-                 trans: Optional[List[int]] = None) -> int:
+                 trans: Optional[List[float]] = None) -> int:
     """Elements that one slice's forward + backward holds at most beyond the operands (and
     copies of their slices), the operands' gradient buffers and the output, with a backward
     CHECKPOINT before each step in ``checkpoints``: the model of the executor
@@ -226,66 +217,13 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     later ones are not made yet, and in the reverse sweep their memory is freed once their
     own step's gradients are done. ``copies``: per step (the steps whose results it copies,
     whether its result is copied by its reader), from the compiler; None: no copies.
-    ``trans``: :func:`_transients` when the caller has them."""
-    n = len(costs.result)
-    if n == 0:
+    ``trans``: :func:`_transients` when the caller has them. Counted in C++
+    (``csrc/contract_memory.cpp``) in doubles: exact below 2^53 elements."""
+    if not costs.result:
         return 0
-    bounds = sorted(set(checkpoints) | {0}) + [n]
     if trans is None:
         trans = _transients(costs, copies, complex_)
-    peak, cross = 0, 0
-    for s in range(len(bounds) - 1):
-        lo, hi = bounds[s], bounds[s + 1]
-        held = 0
-        for j in range(lo, hi):  # step j's transients come while the segment holds steps lo..j
-            held += costs.result[j]
-            peak = max(peak, cross + held + trans[j])
-        cross += sum(costs.result[j] for j in range(lo, hi) if costs.consumer[j] >= hi)
-    return peak
-
-
-def _fewest_recomputed(costs: StepCosts, trans: List[int], tail: List[int], last: int,
-                       cap: float) -> Optional[List[int]]:
-    """The checkpoints of the placement within ``cap`` whose last checkpoint is earliest (the
-    least recomputation), or None when no placement fits: a forward pass over the boundaries
-    keeping, for each boundary ``b``, the least ``cross`` (elements checkpointed there, made
-    earlier and read at or after ``b``) of any placement of earlier checkpoints whose segments
-    all fit. A later segment's memory grows with ``cross`` and with nothing else from before
-    ``b``, so the least ``cross`` decides whether anything fits after ``b``: exact, where a
-    greedy placement (longest segments first) can check in more than it needs and miss a fit.
-    ``last``: the last boundary at which the last segment fits with only what must be
-    checkpointed there (none past it can end a placement). Work: the steps times the longest
-    segment within the cap."""
-    n = len(costs.result)
-    result, consumer = costs.result, costs.consumer
-    made = [0] * (n + 1)  # made[j]: elements of steps 0..j-1
-    for j in range(n):
-        made[j + 1] = made[j] + result[j]
-    inf = float("inf")
-    best, back = [inf] * (last + 1), [0] * (last + 1)
-    best[0] = 0
-    for b in range(1, last + 1):
-        # the segment [p, b) before it, for p = b-1, b-2, ... while it fits the cap alone
-        top, out, least, at = -inf, 0, inf, 0
-        for p in range(b - 1, -1, -1):
-            t = made[p + 1] + trans[p]  # held up to step p + its transients
-            if t > top:
-                top = t
-            seg = top - made[p]  # the segment's peak: a step's transients over the steps up to it
-            if seg > cap:
-                break  # longer segments (smaller p) hold more
-            if consumer[p] >= b:
-                out += result[p]
-            c = best[p]
-            if c + seg <= cap and c + out < least:
-                least, at = c + out, p
-        best[b], back[b] = least, at
-        if least + tail[b] <= cap:  # the last segment [b, n) fits: b is the earliest
-            bounds = [b]
-            while back[bounds[-1]] > 0:
-                bounds.append(back[bounds[-1]])
-            return bounds[::-1]
-    return None
+    return round(library._C.checkpointed_peak(costs.result, costs.consumer, trans, list(checkpoints)))
 
 
 def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
@@ -297,78 +235,22 @@ def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
     The executor recomputes, once, every step before the last checkpoint; so the cost depends
     only on the last checkpoint ``b``, which goes as early as the memory allows. Whether some
     placement of the earlier checkpoints fits with a last checkpoint at ``b`` is decided
-    exactly (:func:`_fewest_recomputed`). When none fits, one greedy pass (each segment as long
-    as the cap allows) gives the lowest peak it finds over every ``b``, each read off running
-    totals. ``copies[j][0]`` lists producers of step ``j``'s own operands, as
-    :func:`~.compiler.compile_program` reports them."""
-    n = len(costs.result)
-    if n == 0:
+    exactly: a pass over the boundaries keeps, for each boundary, the least memory checkpointed
+    there (made earlier and read at or after it) by any placement before it whose segments all
+    fit; a later segment's memory grows with that and with nothing else from before the
+    boundary, so the least of it decides whether anything fits after (a greedy placement,
+    longest segments first, can checkpoint more than it needs and miss a fit). Work: the steps
+    times the longest segment within the cap. When none fits, one greedy pass (each segment as
+    long as the cap allows) gives the lowest peak it finds over every ``b``, or a checkpoint
+    per step. ``copies[j][0]`` lists producers of step ``j``'s own operands, as
+    :func:`~.compiler.compile_program` reports them. The planner calls this for every
+    candidate slicing of every tree it scores (200-300 times for a 36-tensor lattice): it runs
+    in C++ (``csrc/contract_memory.cpp``)."""
+    if not costs.result:
         return 0, [], 0
-    result, consumer = costs.result, costs.consumer
-    trans = _transients(costs, copies, complex_)
-    # tail[b]: the most that the steps b.. hold as one segment (held up to a step + its
-    # transients); tail[0] is memory_model without checkpoints
-    tail = [0] * (n + 1)
-    for b in range(n - 1, -1, -1):
-        tail[b] = result[b] + max(trans[b], tail[b + 1])
-    whole = tail[0]
-    if cap is None or whole <= cap or n <= 1:
-        return whole, [], 0
-    # live[b]: intermediates made before step b and read at or after it (all checkpointed)
-    live = [0] * (n + 1)
-    consumed_at = [0] * (n + 1)
-    for j in range(n):
-        consumed_at[consumer[j]] += result[j]
-    for b in range(n):
-        live[b + 1] = live[b] + result[b] - consumed_at[b]
-    # a checkpoint at b keeps at least live[b]: no placement ends past the last b at which the
-    # last segment fits with just that
-    last = max((b for b in range(1, n) if live[b] + tail[b] <= cap), default=0)
-    fit = _fewest_recomputed(costs, trans, tail, last, cap)
-    if fit is not None:
-        return memory_model(costs, fit, trans=trans), fit, sum(costs.macs[:fit[-1]])
-    # nothing fits: the lowest peak of a greedy placement per b up to ``last``
-    best, prefix_macs = (whole, [], 0), 0
-    # One greedy pass: the current segment starts at ``lo`` (``starts``: every segment's
-    # start) and holds ``held`` elements, at most ``top`` with a step's transients, on top of
-    # ``cross`` checkpointed elements of the earlier segments, whose peaks were ``prior_peak``.
-    # ``out_of``: elements made in [lo, b) and read at or after b (checkpointed at b).
-    starts, lo, cross, prior_peak, held, top, out_of = [0], 0, 0, 0, 0, 0, 0
-    macs, from_step = costs.macs, costs.from_step
-    for b in range(1, last + 1):
-        j = b - 1  # the step that joins the current segment, or starts the next
-        prefix_macs += macs[j]
-        rj, tj = result[j], trans[j]
-        if j > lo and cross + max(top, held + rj + tj) > cap:  # close segment [lo, j)
-            prior_peak = max(prior_peak, cross + top)
-            cross += out_of
-            lo, held, top, out_of = j, 0, 0, 0
-            starts.append(lo)
-        held += rj
-        if held + tj > top:
-            top = held + tj
-        # step j reads its operands (no longer read after it) and makes a result read later
-        out_of += rj
-        for p in from_step[j]:
-            if p >= lo:
-                out_of -= result[p]
-        if j == lo and cross + top > cap:
-            break  # a step alone does not fit: no later b does
-        if live[b] + tail[b] > cap:
-            continue  # even with nothing else checkpointed the last segment does not fit
-        # checkpoints at the greedy starts before b and at b: segment [lo, b) cut at b
-        peak = max(prior_peak, cross + top, cross + out_of + tail[b])  # over the cap
-        if peak < best[0]:
-            best = (peak, starts[1:] + [b], prefix_macs)
-    if best[1] == [] and n > 1:  # nothing fits: the lowest-peak placement (a checkpoint per step)
-        # memory_model with a segment per step: every earlier result is checkpointed
-        peak, made = 0, 0
-        for j in range(n):
-            peak = max(peak, made + result[j] + trans[j])
-            made += result[j]
-        if peak < best[0]:
-            best = (peak, list(range(1, n)), sum(costs.macs[:-1]))
-    return best
+    peak, checkpoints = library._C.place_checkpoints(costs.result, costs.consumer, costs.from_step, costs.inputs,
+                                                     copies, bool(complex_), None if cap is None else float(cap))
+    return round(peak), checkpoints, sum(costs.macs[:checkpoints[-1]]) if checkpoints else 0
 
 
 # ---------------------------------------------------------------------------- sliced modes
