@@ -26,6 +26,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/TensorUtils.h>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -40,6 +41,7 @@
 
 #include "checks.h"
 #include "contract_program.h"
+#include "cpu/gemm_team.h"
 
 namespace torch_gradops {
 namespace {
@@ -203,14 +205,6 @@ void check_operands(at::TensorList operands) {
 }  // namespace
 }  // namespace torch_gradops
 
-// MKL's C entry point for the calling thread's BLAS thread count (the one ATen's set_num_threads
-// sets). Weak: with a torch built without MKL it stays null and every GEMM keeps ATen's threading.
-#if defined(__linux__)
-extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
-#else
-static int (*const MKL_Set_Num_Threads_Local)(int) = nullptr;
-#endif
-
 namespace torch_gradops {
 namespace {
 
@@ -247,21 +241,21 @@ constexpr int64_t kThinRow = 16;
 constexpr double kThinMinMacs = 1 << 17;
 constexpr int64_t kThinWhole = 1 << 14;
 
-// One BLAS thread for the calling thread while it lives, when `on`.
+// One BLAS thread for the calling thread while it lives, when `on` (with MKL; without it every
+// GEMM keeps ATen's threading).
 class SerialBlas {
  public:
-  explicit SerialBlas(bool on) : on_(on && MKL_Set_Num_Threads_Local != nullptr) {
-    if (on_) prev_ = MKL_Set_Num_Threads_Local(1);
+  explicit SerialBlas(bool on) {
+    if (on) prev_ = set_blas_threads_local(1);
   }
   ~SerialBlas() {
-    if (on_) MKL_Set_Num_Threads_Local(prev_);  // 0, "no local setting", restores the global one
+    if (prev_ >= 0) set_blas_threads_local(prev_);  // 0, "no local setting", restores the global one
   }
   SerialBlas(const SerialBlas&) = delete;
   SerialBlas& operator=(const SerialBlas&) = delete;
 
  private:
-  bool on_;
-  int prev_ = 0;
+  int prev_ = -1;  // -1: nothing to restore
 };
 
 // The calling thread's OpenMP team of one while it lives, when `on`: ATen's parallel_for (copies,
@@ -307,6 +301,53 @@ bool serial_step(const Instr& in, const at::Tensor& like) {
 // Every entry point's ATen calls skip the autograd and ADInplaceOrView kernels (see the top).
 using ExecutorScope = at::AutoDispatchBelowADInplaceOrView;
 
+// GEMMs of at least this many multiply-adds (complex counted 4x) are split across the GEMM team
+// when the executor call holds it (team_threads): about 3 us on one core, where handing a part to a
+// spinning helper costs well under a microsecond.
+constexpr double kSplitMinMacs = 1 << 18;
+// Rows or columns per part, at least, when a single GEMM is split along M or N.
+constexpr int64_t kSplitMinWidth = 16;
+
+// The threads of the GEMM team that an executor call on `like`'s device runs its GEMMs on (0:
+// none): ATen's thread count on the CPU with sleeping OpenMP workers (PASSIVE; otherwise the
+// spinning workers serve as well), outside a parallel region.
+int64_t team_threads(const at::Tensor& like) {
+  if (!passive_omp_workers() || !like.defined() || !like.device().is_cpu() || at::in_parallel_region()) return 0;
+  return at::get_num_threads();
+}
+
+// out = A B ([Bt,M,K] x [Bt,K,N] -> [Bt,M,N], `out` contiguous) in a part per thread of the
+// GEMM team, one BLAS thread each: over the batch when it has a part per thread, else
+// (one batch) over the longer of M and N in blocks of at least kSplitMinWidth. False (nothing
+// done) when the call does not hold the team or the GEMM is too narrow to split.
+bool split_matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor& out) {
+  const int64_t bt = a3.size(0), m = a3.size(1), n = b3.size(2);
+  int64_t parts = gemm_team_threads();
+  int axis = 0;  // 0: batches, 1: rows, 2: columns
+  int64_t len = bt;
+  if (bt < parts) {
+    if (bt != 1) return false;
+    axis = m >= n ? 1 : 2;
+    len = std::max(m, n);
+    parts = std::min(parts, len / kSplitMinWidth);
+  }
+  if (parts < 2) return false;
+  return gemm_team_run(parts, [&](int64_t i) {
+    const int64_t lo = len * i / parts, w = len * (i + 1) / parts - lo;
+    SerialBlas serial(true);
+    if (axis == 0) {
+      at::Tensor o = out.narrow(0, lo, w);
+      at::bmm_out(o, a3.narrow(0, lo, w), b3.narrow(0, lo, w));
+    } else if (axis == 1) {
+      at::Tensor o = out.select(0, 0).narrow(0, lo, w);
+      at::mm_out(o, a3.select(0, 0).narrow(0, lo, w), b3.select(0, 0));
+    } else {
+      at::Tensor o = out.select(0, 0).narrow(1, lo, w);
+      at::mm_out(o, a3.select(0, 0), b3.select(0, 0).narrow(1, lo, w));
+    }
+  });
+}
+
 // C = A B for [Bt,M,K] x [Bt,K,N], into `into` when given.
 at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into = nullptr) {
   // Always bmm, even for one batch: for tiny products ATen's CPU bmm uses its own loop, where
@@ -333,16 +374,44 @@ at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into 
     }
     return out;
   }
+  if (cpu && macs >= kSplitMinMacs) {
+    at::Tensor out = into ? *into : at::empty({a3.size(0), m, n}, a3.options());
+    if (split_matmul3(a3, b3, out)) return out;
+    return at::bmm_out(out, a3, b3);
+  }
   return into ? at::bmm_out(*into, a3, b3) : at::bmm(a3, b3);
+}
+
+// Copies of at least this many elements are split across the GEMM team when the call holds it.
+constexpr int64_t kSplitMinCopy = 1 << 14;
+
+// t.reshape(shape); a copy (when the memory order does not allow a view) is split across the
+// GEMM team along the first dimension with a part per thread.
+at::Tensor reshape_for_gemm(const at::Tensor& t, at::IntArrayRef shape) {
+  const int64_t parts = gemm_team_threads();
+  if (parts < 2 || t.numel() < kSplitMinCopy || t.is_conj() || t.is_neg() ||
+      at::detail::computeStride(t.sizes(), t.strides(), shape))
+    return t.reshape(shape);
+  int64_t d = 0;
+  while (d < t.dim() && t.size(d) < parts) ++d;
+  if (d == t.dim()) return t.reshape(shape);
+  at::Tensor out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
+  gemm_team_run(parts, [&](int64_t i) {
+    const int64_t lo = t.size(d) * i / parts, w = t.size(d) * (i + 1) / parts - lo;
+    out.narrow(d, lo, w).copy_(t.narrow(d, lo, w));
+  });
+  return out.view(shape);
 }
 
 // The GEMM operands as stored ([Bt,M,K] or, transposed, [Bt,K,M]; [Bt,K,N] or [Bt,N,K]) and as
 // bmm takes them.
 at::Tensor stored_a(const at::Tensor& slot, const Instr& in) {
-  return slot.permute(in.perm_a).reshape(in.ta ? at::IntArrayRef{in.bt, in.kk, in.m} : at::IntArrayRef{in.bt, in.m, in.kk});
+  return reshape_for_gemm(slot.permute(in.perm_a),
+                          in.ta ? at::IntArrayRef{in.bt, in.kk, in.m} : at::IntArrayRef{in.bt, in.m, in.kk});
 }
 at::Tensor stored_b(const at::Tensor& slot, const Instr& in) {
-  return slot.permute(in.perm_b).reshape(in.tb ? at::IntArrayRef{in.bt, in.n, in.kk} : at::IntArrayRef{in.bt, in.kk, in.n});
+  return reshape_for_gemm(slot.permute(in.perm_b),
+                          in.tb ? at::IntArrayRef{in.bt, in.n, in.kk} : at::IntArrayRef{in.bt, in.kk, in.n});
 }
 at::Tensor gemm_a(const at::Tensor& stored, const Instr& in) { return in.ta ? stored.transpose(1, 2) : stored; }
 at::Tensor gemm_b(const at::Tensor& stored, const Instr& in) { return in.tb ? stored.transpose(1, 2) : stored; }
@@ -514,6 +583,7 @@ at::Tensor finish_single(at::Tensor r, at::TensorList operands) {
 at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at::IntArrayRef slice_table) {
   ExecutorScope scope;
   check_operands(operands);
+  GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   const int64_t rows = num_rows(P, slice_table);
   const Instr& fin = P.instrs.back();
@@ -549,6 +619,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::Tens
                                                                         at::IntArrayRef needs_grad) {
   ExecutorScope scope;
   check_operands(operands);
+  GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   TORCH_CHECK(num_rows(P, slice_table) == 1, "contract_program_cached: runs exactly one slice");
   const std::vector<char> needs = slot_needs(P, needs_grad);
@@ -720,7 +791,7 @@ void accumulate_gradients(const Program& P, at::TensorList operands, at::IntArra
           }
         } else if (in.op == kContract && g[in.c].defined()) {
           Saved& s = saved[t];
-          at::Tensor gc3 = g[in.c].reshape({in.bt, in.m, in.n});
+          at::Tensor gc3 = reshape_for_gemm(g[in.c], {in.bt, in.m, in.n});
           g[in.c] = at::Tensor();
           at::Tensor ga, gb;
           contract_grads(in, s, gc3, needs[in.a], needs[in.b], ga, gb);
@@ -766,6 +837,7 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
                                                   at::IntArrayRef needs_grad, at::TensorList cached) {
   ExecutorScope scope;
   check_operands(operands);
+  GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   num_rows(P, slice_table);
   TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
@@ -794,6 +866,7 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
                                        at::TensorList grads) {
   ExecutorScope scope;
   check_operands(operands);
+  GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   num_rows(P, slice_table);
   const std::vector<char> needs = needs_of(P, grads);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "contract_program.h"
+#include "cpu/gemm_team.h"
 
 TORCH_LIBRARY(torch_gradops, m) {}
 
@@ -79,6 +80,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           return std::make_pair(r.peak, r.checkpoints);
         },
         "(modelled peak, checkpoints): the least-recomputation checkpoints within cap elements.");
+  m.def("gemm_team_parts", &torch_gradops::gemm_team_parts_run,
+        "GEMM and copy parts run by the contraction executor's GEMM team in this process so far.");
   m.def("reencode_contract_program", [](std::vector<int64_t> program, int64_t n_operands) {
     return torch_gradops::encode_program(torch_gradops::decode_program(program, n_operands));
   }, "Decode a contraction program with the executor's decoder and encode it again.");

@@ -855,31 +855,66 @@ def test_thin_gemm_results_are_computed_transposed(dtype):
 
 
 _SUBPROCESS_PASSIVE = """
-import json, torch
+import json, threading, torch
 from torch_gradops import tensornet as tn
-from torch_gradops.testing import interleave, lattice_network
+from torch_gradops.testing import gemm_team_parts, interleave, lattice_network
 torch.set_num_threads(2)
+gen = torch.Generator().manual_seed(0)
+
+def rand(shape, dtype):
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+def record(p, leaves, y):
+    w = rand(y.shape, y.dtype)
+    (y * w).sum().real.backward()
+    row = [float(y.detach().real.sum()), float(y.detach().imag.sum()) if y.is_complex() else 0.0, p.num_slices]
+    row += [float(a.grad.abs().sum()) for a in leaves]
+    for a in leaves:
+        a.grad = None
+    return row
+
 out = []
 for dtype in (torch.float64, torch.complex128):
-    inputs, output, arrays = lattice_network(4, 4, 4, seed=1, dtype=dtype)
-    leaves = [a.clone().requires_grad_(True) for a in arrays]
-    for limit in (None, 2048):
-        p = tn.plan(*interleave(inputs, leaves, output), memory_limit=limit, optimize="greedy")
-        y = p.contract(*leaves)
-        y.real.backward()
-        out.append([complex(y.detach()).real, complex(y.detach()).imag, p.num_slices]
-                   + [float(a.grad.abs().sum()) for a in leaves])
-        for a in leaves:
-            a.grad = None
-print(json.dumps([torch.get_num_threads(), out]))
+    # lattices: small steps (inline under PASSIVE) and bond 8 (GEMMs and layout copies split)
+    for (r, c, bond), limits in (((4, 4, 4), (None, 2048)), ((4, 4, 8), (None, 2 ** 15))):
+        inputs, output, arrays = lattice_network(r, c, bond, seed=1, dtype=dtype)
+        leaves = [a.clone().requires_grad_(True) for a in arrays]
+        for limit in limits:
+            p = tn.plan(*interleave(inputs, leaves, output), memory_limit=limit, optimize="greedy")
+            out.append(record(p, leaves, p.contract(*leaves)))
+    # single GEMMs split by rows, by columns and by batch
+    for eq, shapes in (("ij,jk->ik", [(512, 64), (64, 128)]), ("ij,jk->ik", [(64, 64), (64, 1024)]),
+                       ("bij,bjk->bik", [(4, 64, 64), (4, 64, 64)])):
+        leaves = [rand(s, dtype).requires_grad_(True) for s in shapes]
+        p = tn.plan(eq, *leaves)
+        out.append(record(p, leaves, p.contract(*leaves)))
+
+# two threads contracting at once: one holds the team, the other runs alone; both right
+a, b = rand((256, 128), torch.float64), rand((128, 512), torch.float64)
+want = a @ b
+errors = []
+def work():
+    for _ in range(20):
+        got = tn.contract("ij,jk->ik", a, b)
+        errors.append(float((got - want).abs().max()))
+threads = [threading.Thread(target=work) for _ in range(2)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps([torch.get_num_threads(), out, gemm_team_parts(), max(errors)]))
 """
 
 
-def test_sleeping_openmp_workers_run_small_steps_inline():
+def test_sleeping_openmp_workers_run_small_steps_inline_and_split_large_ones():
     """Under OMP_WAIT_POLICY=PASSIVE the executor runs small steps (their copies, adds and GEMMs)
-    on the calling thread, a team of one for the step. What a test can see of it: values and
-    gradients equal those under the default policy, and the caller's OpenMP thread count is
-    back afterwards (fails when the guard does not restore it); the speed is the benchmarks'."""
+    on the calling thread, a team of one for the step, and splits larger GEMMs and layout copies
+    across its GEMM team (helper threads that spin only during an executor call: by rows, by
+    columns, by batch). What a test can see of it: values and gradients (real and complex,
+    sliced and unsliced, lattices and single GEMMs of each split) equal those under the default
+    policy, the team ran parts under PASSIVE and none otherwise, two threads contracting at once
+    get right results (one holds the team, the other runs alone), and the caller's OpenMP thread
+    count is back afterwards; the speed is the benchmarks'."""
     import json
     import subprocess
     import sys
@@ -896,7 +931,11 @@ def test_sleeping_openmp_workers_run_small_steps_inline():
         runs[policy] = json.loads(res.stdout.splitlines()[-1])
     assert runs["PASSIVE"][0] == 2 and runs[None][0] == 2
     assert any(r[2] > 1 for r in runs[None][1])  # a sliced run among them
-    torch.testing.assert_close(torch.tensor(runs["PASSIVE"][1]), torch.tensor(runs[None][1]), rtol=1e-10, atol=1e-10)
+    assert runs["PASSIVE"][2] > 0 and runs[None][2] == 0  # the split paths ran, and only under PASSIVE
+    assert runs["PASSIVE"][3] < 1e-10 and runs[None][3] < 1e-10
+    assert [len(r) for r in runs["PASSIVE"][1]] == [len(r) for r in runs[None][1]]
+    flat = {k: torch.tensor([x for r in v[1] for x in r]) for k, v in runs.items()}
+    torch.testing.assert_close(flat["PASSIVE"], flat[None], rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["lattice", "circuit"])

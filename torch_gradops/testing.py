@@ -2,6 +2,8 @@
 
 * Memory: :class:`PeakMemory` (peak extra memory of a region), :func:`peak_allocated_bytes`
   (exact peak of CPU tensor bytes), :func:`format_bytes`.
+* Executor: :func:`gemm_team_parts`, how much work the contraction executor's GEMM team (its
+  helper threads under ``OMP_WAIT_POLICY=PASSIVE``) has run.
 * Determinism: :func:`atomic_sum_ops` lists the calls in a function that CUDA would sum with
   atomics (results not bitwise repeatable there), run on any device.
 * Processes: :func:`launch` runs a function on ``world_size`` local ranks with a process group
@@ -33,7 +35,7 @@ import torch.nn.functional as F
 
 from ._units import format_bytes
 
-__all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "atomic_sum_ops", "free_port", "launch", "gat_composite",
+__all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "gemm_team_parts", "atomic_sum_ops", "free_port", "launch", "gat_composite",
            "CoraGAT", "train_cora", "powerlaw_edge_index", "Network", "circuit_amplitude_network",
            "peps_norm_network", "mps_network", "lattice_network", "interleave", "einsum_pairwise"]
 
@@ -117,6 +119,16 @@ _ATOMIC_SUMS = {"index_add": 2, "index_add_": 2, "scatter_add": 2, "scatter_add_
                 "scatter_reduce_": 2, "index_put": 1, "index_put_": 1, "_index_put_impl_": 1, "put_": 1,
                 "put": 1, "embedding_dense_backward": None, "_embedding_bag_backward": None,
                 "_embedding_bag_dense_backward": None, "bincount": None, "histc": None}
+
+
+# ---------------------------------------------------------------------------- executor
+def gemm_team_parts() -> int:
+    """Parts of GEMMs and layout copies that the contraction executor has split across its GEMM
+    team in this process so far (``csrc/cpu/gemm_team.h``: under ``OMP_WAIT_POLICY=PASSIVE``
+    with more than one thread, helper threads that spin for work only during an executor call).
+    Zero under other policies; tests use it to know that the split paths ran."""
+    from . import library
+    return int(library._C.gemm_team_parts())
 
 
 def _repeats(t) -> bool:
