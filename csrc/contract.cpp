@@ -335,6 +335,7 @@ bool split_matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor& out) 
   return gemm_team_run(parts, [&](int64_t i) {
     const int64_t lo = len * i / parts, w = len * (i + 1) / parts - lo;
     SerialBlas serial(true);
+    SerialOmp inline_omp(true);  // the team is the parallelism: no OpenMP region to wake
     if (axis == 0) {
       at::Tensor o = out.narrow(0, lo, w);
       at::bmm_out(o, a3.narrow(0, lo, w), b3.narrow(0, lo, w));
@@ -398,6 +399,7 @@ at::Tensor reshape_for_gemm(const at::Tensor& t, at::IntArrayRef shape) {
   at::Tensor out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
   gemm_team_run(parts, [&](int64_t i) {
     const int64_t lo = t.size(d) * i / parts, w = t.size(d) * (i + 1) / parts - lo;
+    SerialOmp inline_omp(true);  // the team is the parallelism: no OpenMP region to wake
     out.narrow(d, lo, w).copy_(t.narrow(d, lo, w));
   });
   return out.view(shape);
