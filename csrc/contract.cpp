@@ -241,50 +241,6 @@ constexpr int64_t kThinRow = 16;
 constexpr double kThinMinMacs = 1 << 17;
 constexpr int64_t kThinWhole = 1 << 14;
 
-// One BLAS thread for the calling thread while it lives, when `on` (with MKL; without it every
-// GEMM keeps ATen's threading).
-class SerialBlas {
- public:
-  explicit SerialBlas(bool on) {
-    if (on) prev_ = set_blas_threads_local(1);
-  }
-  ~SerialBlas() {
-    if (prev_ >= 0) set_blas_threads_local(prev_);  // 0, "no local setting", restores the global one
-  }
-  SerialBlas(const SerialBlas&) = delete;
-  SerialBlas& operator=(const SerialBlas&) = delete;
-
- private:
-  int prev_ = -1;  // -1: nothing to restore
-};
-
-// The calling thread's OpenMP team of one while it lives, when `on`: ATen's parallel_for (copies,
-// sums, adds) then runs inline. Under OMP_WAIT_POLICY=PASSIVE a parallel region wakes sleeping
-// workers (about 0.14 ms on a 2-core VM), which costs more than it saves on these sizes: there a
-// transposing copy gains nothing from a second thread up to 2^22 elements, a contiguous add_
-// loses up to 2^20 (80 us on one thread, 117 us on two).
-class SerialOmp {
- public:
-  explicit SerialOmp(bool on) {
-#ifdef _OPENMP
-    if (on && omp_get_max_threads() > 1) {
-      prev_ = omp_get_max_threads();
-      omp_set_num_threads(1);  // the nthreads ICV of this thread only
-    }
-#endif
-  }
-  ~SerialOmp() {
-#ifdef _OPENMP
-    if (prev_ > 0) omp_set_num_threads(prev_);
-#endif
-  }
-  SerialOmp(const SerialOmp&) = delete;
-  SerialOmp& operator=(const SerialOmp&) = delete;
-
- private:
-  int prev_ = 0;
-};
-
 // Elements below which a step's tensors are handled on the calling thread under PASSIVE.
 constexpr double kSerialStepElems = 1 << 20;
 
@@ -317,7 +273,7 @@ int64_t team_threads(const at::Tensor& like) {
 }
 
 // out = A B ([Bt,M,K] x [Bt,K,N] -> [Bt,M,N], `out` contiguous) in a part per thread of the
-// GEMM team, one BLAS thread each: over the batch when it has a part per thread, else
+// GEMM team (one BLAS thread each): over the batch when it has a part per thread, else
 // (one batch) over the longer of M and N in blocks of at least kSplitMinWidth. False (nothing
 // done) when the call does not hold the team or the GEMM is too narrow to split.
 bool split_matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor& out) {
@@ -334,8 +290,7 @@ bool split_matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor& out) 
   if (parts < 2) return false;
   return gemm_team_run(parts, [&](int64_t i) {
     const int64_t lo = len * i / parts, w = len * (i + 1) / parts - lo;
-    SerialBlas serial(true);
-    SerialOmp inline_omp(true);  // the team is the parallelism: no OpenMP region to wake
+    SerialBlas serial(true);  // the helpers run on one BLAS thread already
     if (axis == 0) {
       at::Tensor o = out.narrow(0, lo, w);
       at::bmm_out(o, a3.narrow(0, lo, w), b3.narrow(0, lo, w));
@@ -399,7 +354,6 @@ at::Tensor reshape_for_gemm(const at::Tensor& t, at::IntArrayRef shape) {
   at::Tensor out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
   gemm_team_run(parts, [&](int64_t i) {
     const int64_t lo = t.size(d) * i / parts, w = t.size(d) * (i + 1) / parts - lo;
-    SerialOmp inline_omp(true);  // the team is the parallelism: no OpenMP region to wake
     out.narrow(d, lo, w).copy_(t.narrow(d, lo, w));
   });
   return out.view(shape);

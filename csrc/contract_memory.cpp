@@ -14,6 +14,22 @@ namespace {
 
 constexpr double kInf = std::numeric_limits<double>::infinity();
 
+// One entry per step in each table, every consumer a later step (or n) and, when
+// `with_producers`, every producer an earlier step (or -1): the tables index each other.
+void check_steps(const StepMemory& c, bool with_producers, const char* fn) {
+  const int64_t n = static_cast<int64_t>(c.result.size());
+  TORCH_CHECK(c.trans.size() == c.result.size() && c.consumer.size() == c.result.size() &&
+                  (!with_producers || c.from_step.size() == c.result.size()),
+              fn, ": result, trans, consumer", with_producers ? " and from_step" : "",
+              " must have one entry per step");
+  for (int64_t j = 0; j < n; ++j) {
+    TORCH_CHECK(c.consumer[j] > j && c.consumer[j] <= n, fn, ": consumer of step ", j, " out of range");
+    if (with_producers)
+      for (int64_t p : {c.from_step[j].first, c.from_step[j].second})
+        TORCH_CHECK(p >= -1 && p < j, fn, ": producer of step ", j, " out of range");
+  }
+}
+
 // made[j]: elements of the results of steps 0..j-1.
 std::vector<double> prefix_made(const StepMemory& c) {
   const size_t n = c.result.size();
@@ -60,6 +76,29 @@ bool fewest_recomputed(const StepMemory& c, const std::vector<double>& tail, int
   return false;
 }
 
+// checkpointed_peak on tables already checked.
+double peak_with(const StepMemory& c, const std::vector<int64_t>& checkpoints) {
+  const int64_t n = static_cast<int64_t>(c.result.size());
+  std::vector<int64_t> bounds{0};
+  for (int64_t b : checkpoints)
+    if (b > 0 && b < n) bounds.push_back(b);
+  std::sort(bounds.begin(), bounds.end());
+  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
+  bounds.push_back(n);
+  double peak = 0, cross = 0;
+  for (size_t s = 0; s + 1 < bounds.size(); ++s) {
+    const int64_t lo = bounds[s], hi = bounds[s + 1];
+    double held = 0;
+    for (int64_t j = lo; j < hi; ++j) {  // step j's transients come while the segment holds steps lo..j
+      held += c.result[j];
+      peak = std::max(peak, cross + held + c.trans[j]);
+    }
+    for (int64_t j = lo; j < hi; ++j)
+      if (c.consumer[j] >= hi) cross += c.result[j];
+  }
+  return peak;
+}
+
 }  // namespace
 
 std::vector<double> step_transients(const std::vector<std::pair<double, double>>& inputs,
@@ -93,37 +132,13 @@ std::vector<double> step_transients(const std::vector<std::pair<double, double>>
 }
 
 double checkpointed_peak(const StepMemory& c, const std::vector<int64_t>& checkpoints) {
-  const int64_t n = static_cast<int64_t>(c.result.size());
-  std::vector<int64_t> bounds{0};
-  for (int64_t b : checkpoints)
-    if (b > 0 && b < n) bounds.push_back(b);
-  std::sort(bounds.begin(), bounds.end());
-  bounds.erase(std::unique(bounds.begin(), bounds.end()), bounds.end());
-  bounds.push_back(n);
-  double peak = 0, cross = 0;
-  for (size_t s = 0; s + 1 < bounds.size(); ++s) {
-    const int64_t lo = bounds[s], hi = bounds[s + 1];
-    double held = 0;
-    for (int64_t j = lo; j < hi; ++j) {  // step j's transients come while the segment holds steps lo..j
-      held += c.result[j];
-      peak = std::max(peak, cross + held + c.trans[j]);
-    }
-    for (int64_t j = lo; j < hi; ++j)
-      if (c.consumer[j] >= hi) cross += c.result[j];
-  }
-  return peak;
+  check_steps(c, /*with_producers=*/false, "checkpointed_peak");
+  return peak_with(c, checkpoints);
 }
 
 CheckpointPlacement place_checkpoints(const StepMemory& c, std::optional<double> cap) {
   const int64_t n = static_cast<int64_t>(c.result.size());
-  TORCH_CHECK(c.trans.size() == c.result.size() && c.consumer.size() == c.result.size() &&
-                  c.from_step.size() == c.result.size(),
-              "place_checkpoints: result, trans, consumer and from_step must have one entry per step");
-  for (int64_t j = 0; j < n; ++j) {
-    TORCH_CHECK(c.consumer[j] > j && c.consumer[j] <= n, "place_checkpoints: consumer of step ", j, " out of range");
-    for (int64_t p : {c.from_step[j].first, c.from_step[j].second})
-      TORCH_CHECK(p >= -1 && p < j, "place_checkpoints: producer of step ", j, " out of range");
-  }
+  check_steps(c, /*with_producers=*/true, "place_checkpoints");
   CheckpointPlacement r;
   if (n == 0) return r;
   std::vector<double> tail(n + 1, 0);  // tail[b]: what steps b.. hold as one segment
@@ -139,7 +154,7 @@ CheckpointPlacement place_checkpoints(const StepMemory& c, std::optional<double>
   for (int64_t b = 1; b < n; ++b)
     if (live[b] + tail[b] <= *cap) last = b;
   if (fewest_recomputed(c, tail, last, *cap, r.checkpoints)) {
-    r.peak = checkpointed_peak(c, r.checkpoints);
+    r.peak = peak_with(c, r.checkpoints);
     return r;
   }
   // Nothing fits: the lowest peak of one greedy pass (each segment as long as the cap allows)

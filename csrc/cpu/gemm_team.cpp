@@ -2,9 +2,6 @@
 #include "cpu/gemm_team.h"
 
 #include <ATen/ATen.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 #include <pthread.h>
 
 #include <atomic>
@@ -86,17 +83,20 @@ class Team {
       box.state.store(kPosted, std::memory_order_release);
     }
     std::exception_ptr error;
-    try {
-      fn(0);
-    } catch (...) {
-      error = std::current_exception();
-    }
-    for (int64_t i = 1; i < parts; ++i) {
-      Mailbox& box = boxes_[i - 1];
-      if (box.take()) box.run();
-      while (box.state.load(std::memory_order_acquire) != kDone) cpu_relax();
-      if (!error && box.error) error = box.error;
-      box.state.store(kIdle, std::memory_order_relaxed);
+    {
+      SerialOmp one_omp(true);  // this thread's parts as the helpers' (theirs is set once)
+      try {
+        fn(0);
+      } catch (...) {
+        error = std::current_exception();
+      }
+      for (int64_t i = 1; i < parts; ++i) {
+        Mailbox& box = boxes_[i - 1];
+        if (box.take()) box.run();
+        while (box.state.load(std::memory_order_acquire) != kDone) cpu_relax();
+        if (!error && box.error) error = box.error;
+        box.state.store(kIdle, std::memory_order_relaxed);
+      }
     }
     if (error) std::rethrow_exception(error);
   }
