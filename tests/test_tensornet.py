@@ -1451,6 +1451,82 @@ def test_validation_errors():
         tn.plan("ab,bc->ac", (2, 3), "x")
     with pytest.raises(ValueError, match="at least one operand"):
         tn.contract("")
+    for bad in (torch.ones(2, 3, dtype=torch.bool), torch.ones(2, 3, dtype=torch.int64)):
+        with pytest.raises(TypeError, match="operand 0 must have a floating-point or complex dtype"):
+            tn.contract("ab,bc->ac", bad, b)
+    with pytest.raises(TypeError, match="dtype must have a floating-point"):
+        tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=torch.int32)
+    for limit in (float("inf"), float("nan"), 0, -5.0):
+        with pytest.raises(ValueError, match="memory_limit must be a positive, finite number of bytes"):
+            tn.plan("ab,bc->ac", a, b, memory_limit=limit)
+    np = pytest.importorskip("numpy")
+    assert tn.plan("ab,bc->ac", a, b, memory_limit=np.int64(4096)).memory_limit == 4096
+
+
+def test_contract_with_a_plan_checks_the_expression_passed_with_it():
+    """contract(expr, ..., plan=p) contracts what p was made for: an expression of another
+    contraction (here a transposed output, also in the interleaved form) must be refused, not
+    silently replaced by the plan's; the same one under other labels is accepted."""
+    a, b = torch.randn(4, 4, dtype=F64), torch.randn(4, 6, dtype=F64)
+    p = tn.plan("ij,jk->ik", a, b)
+    _close(tn.contract("ab,bc->ac", a, b, plan=p), a @ b)
+    _close(tn.contract(a, ["x", "y"], b, ["y", "z"], ["x", "z"], plan=p), a @ b)
+    with pytest.raises(ValueError, match="plan was made for 'ij,jk->ik', not for .*'ij,jk->ki'"):
+        tn.contract("ij,jk->ki", a, b, plan=p)  # before: (a @ b), silently
+    with pytest.raises(ValueError, match="plan was made for"):
+        tn.contract("ji,kj->ik", a, b.T, plan=tn.plan("ij,kj->ik", a, b.T))  # a.T, not a
+    with pytest.raises(ValueError, match="plan was made for"):
+        tn.contract(a, [0, 1], b, [1, 2], [2, 0], plan=p)
+    x, y = torch.randn(2, 3, 4, dtype=F64), torch.randn(4, 5, dtype=F64)
+    pe = tn.plan("...ij,jk->...ik", x, y)
+    _close(tn.contract("...ab,bc->...ac", x, y, plan=pe), x @ y)
+    with pytest.raises(ValueError, match="plan was made for"):
+        tn.contract("...ab,bc->ac...", x, y, plan=pe)
+
+
+def test_plan_gradients_of_promoted_operands_have_the_operands_dtype():
+    """plan.gradients of a real operand contracted with a complex one is real (the gradient of
+    the cast, as autograd gives it), of a float32 one with a float64 one float32; a grads=
+    buffer of another shape is refused, naming it."""
+    gen = torch.Generator().manual_seed(3)
+    a, b = _rand((3, 4), F64, gen), _rand((4, 5), C128, gen)
+    g = _rand((3, 5), C128, gen)
+    ga, gb = tn.plan("ab,bc->ac", a, b).gradients(a, b, output_grad=g)
+    ra, rb = (o.detach().clone().requires_grad_(True) for o in (a, b))
+    ref = torch.autograd.grad(torch.einsum("ab,bc->ac", ra.to(C128), rb), (ra, rb), g)
+    assert ga.dtype == F64 and gb.dtype == C128
+    _close(ga, ref[0])
+    _close(gb, ref[1])
+    a32 = a.float()
+    ga32, _ = tn.plan("ab,bc->ac", a32, b.real).gradients(a32, b.real, output_grad=g.real)
+    assert ga32.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"grads\[0\] must be None or a tensor of operand 0's shape \(3, 4\)"):
+        tn.plan("ab,bc->ac", a, b).gradients(a, b, output_grad=g, grads=[torch.zeros(2, 3, 4, dtype=F64), None])
+
+
+def test_empty_slice_group_keeps_the_operands_on_the_autograd_graph():
+    """A slice group with no slices (a worker given none) contracts to zeros that are still on
+    the graph: the operands get zero gradients (not an error in backward, not None), with
+    create_graph too; a plan of zero slices (a sliced mode of extent 0) likewise, as
+    torch.einsum does."""
+    gen = torch.Generator().manual_seed(4)
+    a, b = _rand((3, 4), F64, gen, True), _rand((4, 5), F64, gen, True)
+    p = tn.plan("ab,bc->ac", a, b, slicing=["b"])
+    empty = p.contract(a, b, slices=[])
+    assert empty.requires_grad and torch.equal(empty, torch.zeros(3, 5, dtype=F64))
+    ga, gb = torch.autograd.grad(empty.sum(), (a, b), create_graph=True)
+    assert torch.equal(ga, torch.zeros_like(a)) and torch.equal(gb, torch.zeros_like(b))
+    total = p.contract(a, b, slices=[]) + p.contract(a, b, slices=range(4))
+    _close(torch.autograd.grad(total.sum(), a)[0], torch.autograd.grad((a @ b).sum(), a)[0])
+    scalar = tn.plan("ab,ab->", a, a, slicing=["b"]).contract(a, a, slices=[])  # the fused path
+    assert torch.equal(torch.autograd.grad(scalar, a)[0], torch.zeros_like(a))
+    with torch.no_grad():
+        assert not p.contract(a, b, slices=[]).requires_grad
+    a0, b0 = _rand((3, 0), F64, gen, True), _rand((0, 5), F64, gen, True)
+    z = tn.contract("ab,bc->ac", a0, b0, slicing=["b"])
+    assert z.requires_grad and torch.equal(z, torch.zeros(3, 5, dtype=F64))
+    z.sum().backward()
+    assert a0.grad.shape == (3, 0) and b0.grad.shape == (0, 5)
 
 
 # ---------------------------------------------------------------------------- dtypes

@@ -20,7 +20,7 @@ from typing import List, Optional
 
 import torch
 
-from .._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
+from .._transforms import COMPOSITE, FUNCTION, FUSED_JVP, is_transformed, join_dual, route, split_duals
 from ..library import ops
 from .parser import apply_steps
 
@@ -266,8 +266,11 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     """Contract preprocessed operands ``eff`` over a slice group, through the autograd Function
     when a gradient, forward AD or a torch.func transform may need it."""
     group = plan.slice_set.group(slices)
-    if len(group) == 0:  # empty slice group
-        return eff[0].new_zeros(plan.output_shape)
+    if len(group) == 0 and plan.num_slices > 0:  # an empty slice group (a rank given no slices)
+        if not _needs_function(eff) or torch.compiler.is_compiling() or route(eff, vmap_traceable=False) != FUNCTION:
+            return eff[0].new_zeros(plan.output_shape)
+        # zeros on the autograd graph: every operand gets a zero gradient, as for any slice group
+        return ContractFunction.apply(plan, group, PLAIN, *eff)[0]
     parts = plan.hoisted
     if parts is not None:  # the slice-invariant subtrees once, then the sliced rest
         results = [contract_prepared(sub, [eff[i] for i in ops_], None, False) for sub, ops_ in parts.subs]
@@ -341,6 +344,10 @@ def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
     if tuple(output_grad.shape) != plan.output_shape:
         raise ValueError(f"output_grad has shape {tuple(output_grad.shape)}, the result has {plan.output_shape}")
     want = [True] * n if grads is None else [g is not None for g in grads]
+    for i, (buf, shape) in enumerate(zip(grads or (), plan.shapes)):
+        if buf is not None and (not isinstance(buf, torch.Tensor) or tuple(buf.shape) != shape):
+            got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
+            raise ValueError(f"grads[{i}] must be None or a tensor of operand {i}'s shape {shape}, got {got}")
     with torch.no_grad():
         raw_ops = [op.detach() if isinstance(op, torch.Tensor) else op for op in operands]
         eff = plan.prepare(raw_ops)
@@ -353,6 +360,10 @@ def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
             with torch.enable_grad():
                 leaf = raw_ops[i].to(eff[i].dtype).detach().requires_grad_(True)
                 g, = torch.autograd.grad(apply_steps(leaf, steps), leaf, g)
+        if g is not None and g.dtype != raw_ops[i].dtype:
+            # the operand was promoted (to a wider or complex dtype): its gradient is that of the
+            # cast, as autograd gives it (the real part for a real operand)
+            g = (g.real if g.is_complex() and not raw_ops[i].is_complex() else g).to(raw_ops[i].dtype)
         if g is not None and grads is not None:
             grads[i].add_(g) if accumulate else grads[i].copy_(g)
             g = grads[i]

@@ -1,6 +1,7 @@
 """Entry points: :func:`contract`, :func:`plan` and :func:`resolve` (arguments -> cached plan)."""
 from __future__ import annotations
 
+import numbers
 from typing import Callable, Dict, Optional
 
 import torch
@@ -23,6 +24,8 @@ def clear_plan_cache() -> None:
 
 
 def _freeze(x):
+    if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):  # numpy scalars
+        return int(x) if isinstance(x, numbers.Integral) else float(x)  # (Dynamo cannot hash them)
     if isinstance(x, (list, tuple)):
         return tuple(_freeze(v) for v in x)
     if isinstance(x, dict):
@@ -51,8 +54,9 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
          optimize="auto", slicing=None, device=None, path_cache=None, max_overhead=1e4) -> ContractionPlan:
     """Plan a contraction (cached: the same arguments return the same plan, with no search).
 
-    ``expr``: an einsum string (``"ab,bc->ac"``, implicit output, ``...``, any Unicode letter as
-    a label) followed by operands or their shapes; or the interleaved form
+    ``expr``: an einsum string (``"ab,bc->ac"``, implicit output, ``...``; a label is any
+    character but ``.,->`` and whitespace: Unicode letters, digits, symbols) followed by
+    operands or their shapes; or the interleaved form
     ``plan(a, modes_a, b, modes_b, ..., [out_modes])`` with hashable labels.
 
     ``memory_limit``: bytes, ``"2GiB"``, ``"50%"`` (of the device's memory). It bounds the
@@ -94,6 +98,7 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
             dtype = parser.promoted_dtype(tensors)
         device = tensors[0].device if device is None else torch.device(device)
     dtype = dtype or torch.get_default_dtype()
+    parser.check_dtype(dtype, "dtype")
     device = torch.device(device or "cpu")
     return _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
                      path_cache, max_overhead)
@@ -105,6 +110,8 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
     tensors, from an einsum string and operands or from the interleaved form."""
     if not args:
         raise TypeError("contract() needs an expression and operands")
+    given_plan = plan is not None  # then checked against the expression passed with it
+    expr = terms = output = None
     if isinstance(args[0], str):
         expr, operands = args[0], args[1:]
         if plan is None:
@@ -126,7 +133,30 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
                              operands[0].device, memory_limit, optimize, slicing, True, path_cache, max_overhead)
     if not isinstance(plan, ContractionPlan):
         raise TypeError(f"plan must be a ContractionPlan, got {type(plan).__name__}")
+    if given_plan:
+        _check_plan_matches(plan, expr, terms, output, operands)
     return plan, operands
+
+
+def _check_plan_matches(plan: ContractionPlan, expr, terms, output, operands) -> None:
+    """A plan passed to :func:`contract` must be one for the expression passed with it (an
+    einsum string ``expr``, else the interleaved ``terms -> output``), under any labels: the
+    plan alone decides the contraction, so another expression would be ignored silently. An
+    einsum string that matched once is remembered (no parsing again)."""
+    if expr is not None and expr in plan.matching_exprs:
+        return
+    parser.check_operands(operands)
+    if len(operands) != len(plan.shapes):
+        raise ValueError(f"the plan is for {len(plan.shapes)} operand(s), got {len(operands)}")
+    if expr is not None:
+        terms, output = parser.parse_string(expr, len(operands))
+    terms, output, _, _ = parser.normalize_labels(terms, output, [tuple(op.shape) for op in operands])
+    if parser.canonical_network(terms, output) != parser.canonical_network(plan.inputs, plan.output):
+        given = expr if expr is not None else parser.describe(terms, output)
+        raise ValueError(f"plan: the plan was made for {plan.expr!r}, not for the expression given with it, "
+                         f"{given!r}; pass the plan's own expression, or no plan")
+    if expr is not None:
+        plan.matching_exprs.add(expr)
 
 
 # The runner for contract(process_group=...): torch_gradops.distributed registers it on import

@@ -139,6 +139,15 @@ def split_interleaved(args):
     return operands, terms, output
 
 
+def canonical_network(terms, output) -> Tuple[Tuple[Tuple[int, ...], ...], Tuple[int, ...]]:
+    """``terms -> output`` (labels as :func:`normalize_labels` returns them) with every label
+    renumbered by first appearance: two expressions of the same contraction under other labels
+    (``"ij,jk->ik"``, ``"ab,bc->ac"``) get the same value."""
+    ids: Dict[Any, int] = {}
+    number = lambda labels: tuple(ids.setdefault(x, len(ids)) for x in labels)  # noqa: E731
+    return tuple(number(t) for t in terms), number(output)
+
+
 def describe(terms, output) -> str:
     """A readable expression for the interleaved form (plans and errors show it)."""
     return "interleaved: " + ",".join("(" + ",".join(label_str(x) for x in t) + ")" for t in terms) + \
@@ -147,17 +156,26 @@ def describe(terms, output) -> str:
 
 # ---------------------------------------------------------------------------- operands
 def check_operands(operands) -> None:
-    """Operands must be tensors on one device."""
+    """Operands must be floating-point or complex tensors on one device."""
     if not operands:
         raise ValueError("contract needs at least one operand")
     for i, op in enumerate(operands):
         if not isinstance(op, torch.Tensor):
             raise TypeError(f"operand {i} must be a torch.Tensor, got {type(op).__name__}")
+    for i, op in enumerate(operands):
+        check_dtype(op.dtype, f"operand {i}")
     dev = operands[0].device
     for i, op in enumerate(operands):
         if op.device != dev:
             raise ValueError(f"operand {i} is on {op.device} but operand 0 is on {dev}; all operands must "
                              "be on one device")
+
+
+def check_dtype(dtype, what: str) -> None:
+    """Contractions are of floating-point or complex tensors (GEMMs; gradients)."""
+    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+        raise TypeError(f"{what} must have a floating-point or complex dtype (float64/32/16, bfloat16, "
+                        f"complex128/64), got {dtype}")
 
 
 def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Tensor]]:

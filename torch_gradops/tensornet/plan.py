@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 from collections import OrderedDict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 
@@ -57,6 +57,7 @@ class ContractionPlan:
                  network: parser.Network, path, sliced, memory_limit: Optional[int], optimizer: str,
                  searched: bool, checkpoints=(), copies=None, search_s: float = 0.0):
         self.expr = expr
+        self.matching_exprs: Set[str] = set()  # einsum strings contract(..., plan=self) has accepted
         self.inputs = inputs
         self.output = output
         self.shapes = tuple(tuple(int(x) for x in s) for s in shapes)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 import os
 import re
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -59,9 +60,9 @@ def parse_memory_limit(limit, device: Union[str, torch.device, None] = None) -> 
         return None
     if isinstance(limit, bool):
         raise TypeError(f"memory_limit must be bytes (int) or a string like '2GiB' or '50%', got {limit!r}")
-    if isinstance(limit, (int, float)):
-        if not limit > 0:
-            raise ValueError(f"memory_limit must be positive, got {limit!r}")
+    if isinstance(limit, numbers.Real):  # int, float, numpy scalars
+        if not (math.isfinite(limit) and limit > 0):
+            raise ValueError(f"memory_limit must be a positive, finite number of bytes, got {limit!r}")
         return int(limit)
     if not isinstance(limit, str):
         raise TypeError(f"memory_limit must be bytes (int) or a string like '2GiB' or '50%', got "
