@@ -98,3 +98,35 @@ def run_both(theirs, ours, x, edge_index, edge_attr=None, attention=True, seed=1
                 continue
             close(b, a, atol=atol, msg=f"gradient {i}")
     return o2
+
+
+def check_edge_attr_forms(pyg_cls, our_cls):
+    """Edge features in the forms PyG's attention layers take beyond ``[E, edge_dim]`` float:
+    integer features (promoted) and ``[E, 1, edge_dim]`` (its ``lin_edge`` maps the last dim),
+    equal to PyG's; a row count other than the edge count is refused naming ``edge_attr``."""
+    import pytest
+
+    theirs, ours = make_pair(pyg_cls, our_cls, 8, 4, heads=2, edge_dim=3)
+    x, ei = torch.randn(12, 8), random_graph(12, 12, 40)
+    g = torch.Generator().manual_seed(5)
+    ints = torch.randint(0, 5, (40, 3), generator=g)
+    close(ours(x, ei, ints), theirs(x, ei, ints), msg="integer edge_attr")
+    run_both(theirs, ours, x, ei, edge_attr=torch.randn(40, 1, 3, generator=g))
+    with pytest.raises(ValueError, match=r"edge_attr must have one row per edge of edge_index \(40\)"):
+        ours(x, ei, torch.randn(41, 3, generator=g))
+
+
+def check_inference_tensor_graph_edits(pyg_cls, our_cls):
+    """Graphs and edge features made under ``torch.inference_mode()`` have no version counter:
+    an in-place edit between two calls must reach the layer (no stale cached CSC conversion or
+    edge features), as it does PyG's; such edge features also work outside inference mode."""
+    theirs, ours = make_pair(pyg_cls, our_cls, 4, 3, heads=2, edge_dim=2)
+    theirs.eval(), ours.eval()
+    x = torch.randn(6, 4)
+    with torch.inference_mode():
+        ei, ea = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]]), torch.randn(4, 2)
+        close(ours(x, ei, ea), theirs(x, ei, ea))
+        ei[1] = 5
+        ea.mul_(3)
+        close(ours(x, ei, ea), theirs(x, ei, ea), msg="after editing the graph in place")
+    close(ours(x, ei, ea), theirs(x, ei, ea), msg="inference tensors outside inference mode")

@@ -614,3 +614,11 @@ def test_mha_gat_n2n_matches_manual_composition():
         tg.mha_gat_n2n(feat, att[:5], graph, num_heads=heads)
     with pytest.raises(ValueError, match="activation"):
         tg.mha_gat_n2n(feat, att, graph, num_heads=heads, activation="ELU", edge_feat=efeat)
+    # malformed destination or edge features are refused, not reinterpreted by a reshape
+    with pytest.raises(ValueError, match=r"destination features must have shape \[n_dst, 12\]"):
+        tg.mha_gat_n2n((feat, torch.randn(2 * n, 6, dtype=torch.float64)), att[: 2 * heads * c], graph,
+                       num_heads=heads)
+    with pytest.raises(ValueError, match=r"edge_feat must have shape \[E, num_heads\*C = 12\]"):
+        tg.mha_gat_n2n(feat, att, graph, num_heads=heads, edge_feat=torch.randn(ei.size(1), 2 * heads * c))
+    with pytest.raises(ValueError, match="feat must be a tensor or a"):
+        tg.mha_gat_n2n((feat, feat, feat), att, graph, num_heads=heads)

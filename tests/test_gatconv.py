@@ -18,7 +18,8 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
-from pyg_helpers import assert_sums_without_atomics, close, make_pair, random_graph, run_both  # noqa: E402,F401
+from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_inference_tensor_graph_edits, close,
+                         make_pair, random_graph, run_both)  # noqa: E402,F401
 
 cuda = pytest.mark.cuda
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -150,6 +151,17 @@ def test_edge_index_class_matches_pyg(sort, add_loops):
         ei = ei[:, torch.argsort(ei[0] * 30 + ei[1])]
     eidx = EdgeIndex(ei, sparse_size=(30, 30), sort_order=sort)
     run_both(theirs, ours, torch.randn(30, 16), eidx)
+
+
+@pytest.mark.parametrize("add_loops", [True, False])
+def test_rectangular_edge_index_with_x_dst_none_matches_pyg(add_loops):
+    """``(x_src, None)`` with an EdgeIndex of fewer columns than sources: PyG's self-loops come
+    as a square EdgeIndex whose concatenation widens the graph to the sources (7 outputs, not
+    4); without loops the columns give the destinations."""
+    theirs, ours = pair(5, 4, add_self_loops=add_loops)
+    eidx = EdgeIndex(torch.tensor([[0, 1, 2, 3, 4, 6], [1, 2, 0, 3, 1, 2]]), sparse_size=(7, 4))
+    out = run_both(theirs, ours, (torch.randn(7, 5), None), eidx, attention=False)
+    assert out.shape == ((7, 4) if add_loops else (4, 4))
 
 
 @pytest.mark.parametrize("layout", ["csr", "coo", "csc"])
@@ -722,3 +734,11 @@ def test_cuda_half_autocast_and_compile():
     close(out.float(), ref, atol=3e-2, rtol=3e-2)
     compiled = torch.compile(model, fullgraph=True)
     close(compiled(x, ei), ref, atol=1e-4, rtol=1e-4)
+
+
+def test_edge_attr_forms_match_pyg():
+    check_edge_attr_forms(PyGGATConv, GATConv)
+
+
+def test_inference_tensor_graph_edits_are_seen():
+    check_inference_tensor_graph_edits(PyGGATConv, GATConv)

@@ -14,7 +14,8 @@ from torch_geometric.typing import WITH_TORCH_SPARSE  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
 from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
-from pyg_helpers import assert_sums_without_atomics, close, make_pair, random_graph, run_both  # noqa: E402
+from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_inference_tensor_graph_edits, close,
+                         make_pair, random_graph, run_both)  # noqa: E402
 
 
 def pair(in_channels, out_channels, seed=0, **kw):
@@ -275,3 +276,11 @@ def test_bad_inputs_raise_clear_errors():
         ours(x, torch.zeros(3, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="integer"):
         ours(x, torch.zeros(2, 4))
+
+
+def test_edge_attr_forms_match_pyg():
+    check_edge_attr_forms(PyGGATv2Conv, GATv2Conv)
+
+
+def test_inference_tensor_graph_edits_are_seen():
+    check_inference_tensor_graph_edits(PyGGATv2Conv, GATv2Conv)

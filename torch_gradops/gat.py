@@ -786,6 +786,32 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------- cugraph-ops compat
+def _cugraph_inputs(feat, graph: BipartiteCSC, num_heads: int, activation, negative_slope: float,
+                    edge_feat: Optional[torch.Tensor]):
+    """The checked inputs of the cugraph-ops compatibility functions (:func:`mha_gat_n2n`,
+    :func:`~torch_gradops.gatv2.mha_gat_v2_n2n`): ``(feat_src [n_src, H*C], feat_dst [n_dst,
+    H*C], edge_feat [E, H*C] or None, negative_slope)``, the slope 1 for a linear activation."""
+    if isinstance(feat, (tuple, list)):
+        if len(feat) != 2:
+            raise ValueError(f"feat must be a tensor or a (feat_src, feat_dst) pair, got {len(feat)} tensors")
+        feat_src, feat_dst = feat
+    else:
+        feat_src, feat_dst = feat, feat[: graph.num_dst]
+    if feat_src.dim() != 2 or feat_src.size(1) % num_heads != 0:
+        raise ValueError(f"feat must have shape [n, num_heads*C] with num_heads={num_heads}, "
+                         f"got {tuple(feat_src.shape)}")
+    hc = feat_src.size(1)
+    if feat_dst.dim() != 2 or feat_dst.size(1) != hc:
+        raise ValueError(f"the destination features must have shape [n_dst, {hc}], got {tuple(feat_dst.shape)}")
+    if edge_feat is not None and (edge_feat.dim() != 2 or edge_feat.size(1) != hc):
+        raise ValueError(f"edge_feat must have shape [E, num_heads*C = {hc}], got {tuple(edge_feat.shape)}")
+    if activation in (None, "Linear", "linear", "Identity"):
+        negative_slope = 1.0
+    elif activation != "LeakyReLU":
+        raise ValueError(f"activation must be 'LeakyReLU' or 'Linear', got {activation!r}")
+    return feat_src, feat_dst, edge_feat, negative_slope
+
+
 def mha_gat_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_heads: int = 1,
                 activation: str = "LeakyReLU", negative_slope: float = 0.2, concat_heads: bool = True,
                 edge_feat: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -803,21 +829,13 @@ def mha_gat_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_heads
     Returns:
         ``[n_dst, num_heads*C]`` if ``concat_heads`` else ``[n_dst, C]`` (mean over heads).
     """
-    if isinstance(feat, (tuple, list)):
-        feat_src, feat_dst = feat
-    else:
-        feat_src, feat_dst = feat, feat[: graph.num_dst]
-    if feat_src.dim() != 2 or feat_src.size(1) % num_heads != 0:
-        raise ValueError(f"feat must have shape [n, num_heads*C] with num_heads={num_heads}, got {tuple(feat_src.shape)}")
+    feat_src, feat_dst, edge_feat, negative_slope = _cugraph_inputs(feat, graph, num_heads, activation,
+                                                                    negative_slope, edge_feat)
     hc = feat_src.size(1)
     channels = hc // num_heads
     expect = (3 if edge_feat is not None else 2) * hc
     if attn_weights.dim() != 1 or attn_weights.numel() != expect:
         raise ValueError(f"attn_weights must be 1-D with {expect} entries, got {tuple(attn_weights.shape)}")
-    if activation in (None, "Linear", "linear", "Identity"):
-        negative_slope = 1.0
-    elif activation != "LeakyReLU":
-        raise ValueError(f"activation must be 'LeakyReLU' or 'Linear', got {activation!r}")
     x_src = feat_src.view(-1, num_heads, channels)
     x_dst = feat_dst.reshape(-1, num_heads, channels)
     att = attn_weights.view(-1, num_heads, channels)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from ._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
 from ._edge_chunks import EdgeChunks, EdgeMap, EdgeMapSpec, chunk_size, node_ranges
 from ._segments import gather_rows, index_add_rows, plain_tensor, sum_sorted_rows
-from .gat import (_attend_composite, _composite_edges, _edge_aggregate, _edge_dot, _Edges, _EdgeSoftmax, _fold_heads,
-                  _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads, _vmap_per_item)
+from .gat import (_attend_composite, _composite_edges, _cugraph_inputs, _edge_aggregate, _edge_dot, _Edges,
+                  _EdgeSoftmax, _fold_heads, _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads, _vmap_per_item)
 from .graph import BipartiteCSC, csc_destinations
 from .library import check_backend, ops
 
@@ -650,30 +650,13 @@ def mha_gat_v2_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_he
         ``[n_dst, num_heads*C]`` if ``concat_heads`` else ``[n_dst, C]`` (mean over heads).
     """
     del deterministic_dgrad, deterministic_wgrad  # always deterministic
-    if isinstance(feat, (tuple, list)):
-        if len(feat) != 2:
-            raise ValueError(f"feat must be a tensor or a (feat_src, feat_dst) pair, got {len(feat)} tensors")
-        feat_src, feat_dst = feat
-    else:
-        feat_src, feat_dst = feat, feat[: graph.num_dst]
-    if feat_src.dim() != 2 or feat_src.size(1) % num_heads != 0:
-        raise ValueError(f"feat must have shape [n, num_heads*C] with num_heads={num_heads}, "
-                         f"got {tuple(feat_src.shape)}")
+    feat_src, feat_dst, edge_feat, negative_slope = _cugraph_inputs(feat, graph, num_heads, activation,
+                                                                    negative_slope, edge_feat)
     hc = feat_src.size(1)
     channels = hc // num_heads
-    if feat_dst.dim() != 2 or feat_dst.size(1) != hc:
-        raise ValueError(f"the destination features must have shape [n_dst, {hc}], got {tuple(feat_dst.shape)}")
     if attn_weights.dim() != 1 or attn_weights.numel() != hc:
         raise ValueError(f"attn_weights must be 1-D with num_heads*C = {hc} entries, got {tuple(attn_weights.shape)}")
-    if activation in (None, "Linear", "linear", "Identity"):
-        negative_slope = 1.0
-    elif activation != "LeakyReLU":
-        raise ValueError(f"activation must be 'LeakyReLU' or 'Linear', got {activation!r}")
-    edge_attr = None
-    if edge_feat is not None:
-        if edge_feat.dim() != 2 or edge_feat.size(1) != hc:
-            raise ValueError(f"edge_feat must have shape [E, num_heads*C = {hc}], got {tuple(edge_feat.shape)}")
-        edge_attr = edge_feat.reshape(-1, num_heads, channels)
+    edge_attr = None if edge_feat is None else edge_feat.reshape(-1, num_heads, channels)
     out = gatv2_attention(feat_src.reshape(-1, num_heads, channels), feat_dst.reshape(-1, num_heads, channels),
                           attn_weights.view(num_heads, channels), graph, negative_slope=negative_slope,
                           edge_attr=edge_attr)

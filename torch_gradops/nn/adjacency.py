@@ -26,7 +26,8 @@ from .._segments import index_add_rows
 from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
-           "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE", "attention_result"]
+           "num_edges", "edge_attr_2d", "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE",
+           "attention_result"]
 
 try:  # PyG >= 2.5
     from torch_geometric import EdgeIndex
@@ -56,6 +57,12 @@ def _version(t) -> Optional[int]:
         return t._version
     except (AttributeError, RuntimeError):  # e.g. SparseTensor, some sparse layouts
         return None
+
+
+def _is_inference(t) -> bool:
+    """Whether ``t`` is an inference tensor (made under ``torch.inference_mode()``): no version
+    counter, so the caches cannot see it change."""
+    return isinstance(t, Tensor) and t.is_inference()
 
 
 def is_edge_index(t) -> bool:
@@ -94,9 +101,10 @@ def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) 
         src, dst, dst_sorted = edge_list(edge_index)
         return csc_from_edges(src, dst, num_src, num_dst, self_loops=num_loops, dst_sorted=dst_sorted)
 
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or _is_inference(edge_index):
         # Under torch.compile the conversion is traced into the graph (static-shape ops);
-        # a Python-side cache cannot live inside a compiled region.
+        # a Python-side cache cannot live inside a compiled region. An inference tensor has no
+        # version counter: an in-place edit of it could not be told from a cache hit.
         return build()
     key = (num_src, num_dst, num_loops)
     version = _version(edge_index)
@@ -150,12 +158,41 @@ def propagate_sizes(edge_index, num_src: int, num_dst_rows: Optional[int], size:
                 num_loops = min(size)
     if num_dst is None:
         # `(x_src, None)` without `size`: PyG's propagate falls back to the source count (or to
-        # an EdgeIndex's number of columns).
+        # an EdgeIndex's number of columns, after PyG's concatenation with the self-loops'
+        # EdgeIndex, whose sizes are the larger of the two's).
         if is_edge_index(edge_index) and edge_index.num_cols is not None:
-            num_dst = edge_index.num_cols
+            num_dst = max(edge_index.num_cols, num_loops or 0)
         else:
             num_dst = num_src
     return num_dst, num_loops
+
+
+def num_edges(edge_index) -> int:
+    """The number of edges of any supported adjacency (before self-loop handling)."""
+    if isinstance(edge_index, SparseTensor):
+        return edge_index.nnz()
+    if is_torch_sparse_tensor(edge_index):
+        return edge_index._nnz()
+    return edge_index.size(1)
+
+
+def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
+    """``edge_attr`` as PyG's attention layers read it, ``[E, edge_dim]``: ``[E]`` is one feature
+    per edge, and the leading dims of ``[..., edge_dim]`` hold the ``E`` rows (PyG's ``lin_edge``
+    maps the last dim, then views ``[-1, heads, C]``); integer features become ``dtype`` (PyG's
+    concatenation with the loops' features promotes them). ``E`` must be ``edge_index``'s
+    number of edges. An inference tensor used with autograd on is copied to a normal one (which
+    autograd can save, as PyG's concatenation makes one)."""
+    ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr.reshape(-1, edge_attr.size(-1))
+    expected = num_edges(edge_index)
+    if ea.size(0) != expected:
+        raise ValueError(f"edge_attr must have one row per edge of edge_index ({expected}), got shape "
+                         f"{tuple(edge_attr.shape)}")
+    if not (ea.is_floating_point() or ea.is_complex()):
+        ea = ea.to(dtype)
+    elif not torch.compiler.is_compiling() and ea.is_inference() and not torch.is_inference_mode_enabled():
+        ea = ea.clone()
+    return ea
 
 
 def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value) -> Tensor:
@@ -181,25 +218,25 @@ def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value) ->
 
 
 def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_loops: Optional[int],
-                      fill_value) -> Tensor:
-    """``[E', edge_dim]``: ``edge_attr`` (``[E, edge_dim]`` or ``[E]``) followed by the added
-    self-loops' features (:func:`loop_edge_attr`), in ``graph``'s CSC order (``graph`` is
-    :func:`csc_graph` of ``edge_index``).
+                      fill_value, dtype: torch.dtype) -> Tensor:
+    """``[E', edge_dim]``: ``edge_attr`` (as :func:`edge_attr_2d` reads it, integers as
+    ``dtype``) followed by the added self-loops' features (:func:`loop_edge_attr`), in
+    ``graph``'s CSC order (``graph`` is :func:`csc_graph` of ``edge_index``).
 
     Edge features that need no gradient are usually fixed data, passed again every step: the
     result is then cached per ``edge_attr`` (one entry, keyed and invalidated like the CSC
     conversion), so the loop features' reduction and the reordering (three passes over
     ``E x edge_dim``) run once. Not cached under ``torch.compile``, inference mode (an inference
-    tensor cannot be saved for a later backward), torch.func transforms or a Tensor
-    ``fill_value``."""
-    ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
+    tensor cannot be saved for a later backward), for an inference tensor (no version counter),
+    under torch.func transforms or with a Tensor ``fill_value``."""
+    ea = edge_attr_2d(edge_attr, edge_index, dtype)
 
     def build():
         full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
         return graph.edge_order(full)
 
     if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or isinstance(fill_value, Tensor) or is_transformed(edge_attr)):
+            or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)):
         return build()
     hit = EDGE_FEATURE_CACHE.get(edge_attr)
     version = _version(edge_attr)

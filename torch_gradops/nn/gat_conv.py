@@ -10,7 +10,7 @@ from torch_geometric.nn.conv import GATConv as PyGGATConv
 
 from ..gat import gat_attention
 from ..graph import BipartiteCSC, _append_zero_row
-from .adjacency import attention_result, csc_graph, loop_edge_attr, propagate_sizes
+from .adjacency import attention_result, csc_graph, edge_attr_2d, loop_edge_attr, propagate_sizes
 
 __all__ = ["GATConv"]
 
@@ -128,8 +128,8 @@ class GATConv(PyGGATConv):
         ``att_edge`` (no ``E x H x C`` tensor), the added loops' features by ``fill_value``."""
         if edge_attr is None or self.lin_edge is None:
             return None
-        ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr
         w = self._fold(self.lin_edge, self.att_edge)
+        ea = edge_attr_2d(edge_attr, edge_index, w.dtype)
         logits = ea @ w
         if num_loops is not None:
             logits = torch.cat([logits, loop_edge_attr(ea, edge_index, num_loops, self.fill_value) @ w])

@@ -80,7 +80,7 @@ class GATv2Conv(PyGGATv2Conv):
         if edge_attr is None:
             return None
         assert self.lin_edge is not None, "edge_attr was given but the layer has no edge_dim"
-        return csc_edge_features(edge_attr, edge_index, graph, num_loops, self.fill_value)
+        return csc_edge_features(edge_attr, edge_index, graph, num_loops, self.fill_value, self.lin_edge.weight.dtype)
 
     def _attend(self, x_l: Tensor, x_r: Tensor, edge_feats: Optional[Tensor], graph: BipartiteCSC,
                 num_dst: int, want_alpha: bool):
