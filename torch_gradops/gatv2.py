@@ -27,7 +27,8 @@ from ._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route,
 from ._edge_chunks import EdgeChunks, EdgeMap, EdgeMapSpec, chunk_size, node_ranges
 from ._segments import gather_rows, index_add_rows, plain_tensor, sum_sorted_rows
 from .gat import (_attend_composite, _composite_edges, _cugraph_inputs, _edge_aggregate, _edge_dot, _Edges,
-                  _EdgeSoftmax, _fold_heads, _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads, _vmap_per_item)
+                  _EdgeSoftmax, _fold_heads, _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads,
+                  _vmap_per_item)
 from .graph import BipartiteCSC, csc_destinations
 from .library import check_backend, ops
 

@@ -35,9 +35,9 @@ import torch.nn.functional as F
 
 from ._units import format_bytes
 
-__all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "gemm_team_parts", "atomic_sum_ops", "free_port", "launch", "gat_composite",
-           "CoraGAT", "train_cora", "powerlaw_edge_index", "Network", "circuit_amplitude_network",
-           "peps_norm_network", "mps_network", "lattice_network", "interleave", "einsum_pairwise"]
+__all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "gemm_team_parts", "atomic_sum_ops", "free_port",
+           "launch", "gat_composite", "CoraGAT", "train_cora", "powerlaw_edge_index", "Network",
+           "circuit_amplitude_network", "peps_norm_network", "mps_network", "lattice_network", "interleave", "einsum_pairwise"]
 
 
 # ---------------------------------------------------------------------------- memory

@@ -87,8 +87,8 @@ class GemmTeamScope {
 // OpenMP thread (the team is the parallelism: no OpenMP region to wake), helpers below autograd
 // (as the executor) and on one BLAS thread; a part that calls BLAS on the calling thread holds a
 // SerialBlas itself (setting MKL's count is not free: done around every part, copies included, it
-// slowed the 6x6 / 1 MiB lattice's forward+backward from 0.060 s to 0.074-0.084 s). The first exception thrown by a part is
-// rethrown after every part has finished.
+// slowed the 6x6 / 1 MiB lattice's forward+backward from 0.060 s to 0.074-0.084 s). The first
+// exception thrown by a part is rethrown after every part has finished.
 bool gemm_team_run(int64_t parts, const std::function<void(int64_t)>& fn);
 
 // The threads of the calling thread's GemmTeamScope, or 0 when it holds none.

@@ -229,9 +229,8 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
     ``E x edge_dim``) run once. Not cached under ``torch.compile``, inference mode (an inference
     tensor cannot be saved for a later backward), for an inference tensor (no version counter),
     under torch.func transforms or with a Tensor ``fill_value``."""
-    ea = edge_attr_2d(edge_attr, edge_index, dtype)
-
-    def build():
+    def build():  # (a cache hit's edge_attr was read and checked when its entry was built)
+        ea = edge_attr_2d(edge_attr, edge_index, dtype)
         full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
         return graph.edge_order(full)
 
