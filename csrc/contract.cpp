@@ -193,6 +193,140 @@ int64_t num_rows(const Program& P, at::IntArrayRef table) {
   return static_cast<int64_t>(table.size()) / P.n_sliced;
 }
 
+// a * b, refusing int64 overflow (sizes in a malformed program can be anything).
+int64_t checked_mul(int64_t a, int64_t b, const char* what) {
+  int64_t r = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(a, b, &r), "contract_program: ", what, " overflows int64");
+  return r;
+}
+
+int64_t numel_of(at::IntArrayRef shape, const char* what) {
+  int64_t n = 1;
+  for (int64_t e : shape) {
+    TORCH_CHECK(e >= 0, "contract_program: ", what, " has a negative extent: ", shape);
+    n = checked_mul(n, e, what);
+  }
+  return n;
+}
+
+bool is_permutation(const std::vector<int64_t>& perm, size_t rank) {
+  if (perm.size() != rank) return false;
+  std::vector<char> seen(rank, 0);
+  for (int64_t d : perm) {
+    if (d < 0 || d >= static_cast<int64_t>(rank) || seen[d]) return false;
+    seen[d] = 1;
+  }
+  return true;
+}
+
+// Checks a decoded program against its operands and slice table before anything runs: slots
+// read only while they hold a tensor, SELECT and SUM dims within their slot's rank, every
+// permutation a permutation of its slot's dims, GEMM sizes that match the slots they reshape,
+// FINAL's result of out_shape's block shape, slice-table entries within their modes' extents.
+// The executor indexes shape vectors with these numbers, so a malformed program (the ops are
+// public through torch.ops) must fail here with an error, not read out of range later. Linear
+// in the program and the table.
+void check_program(const Program& P, at::TensorList operands, at::IntArrayRef table) {
+  std::vector<std::vector<int64_t>> shp(P.n_slots);
+  std::vector<char> live(P.n_slots, 0), summed(P.n_operands, 0);
+  for (int64_t i = 0; i < P.n_operands; ++i) {
+    shp[i] = operands[i].sizes().vec();
+    live[i] = 1;
+  }
+  std::vector<int64_t> extent(P.n_sliced, -1);  // per sliced mode, once a SELECT or block fixes it
+  auto fix_extent = [&](int64_t k, int64_t e) {
+    TORCH_CHECK(extent[k] < 0 || extent[k] == e, "contract_program: sliced mode ", k, " has extent ", extent[k],
+                " in one place and ", e, " in another");
+    extent[k] = e;
+  };
+  auto read = [&](int64_t s, const char* what) -> std::vector<int64_t>& {
+    TORCH_CHECK(live[s], "contract_program: ", what, " reads slot ", s,
+                ", which holds no tensor there (released by an earlier CONTRACT, or made later)");
+    return shp[s];
+  };
+  for (const Instr& in : P.instrs) {
+    switch (in.op) {
+      case kSelect: {
+        TORCH_CHECK(in.slot < P.n_operands, "contract_program: SELECT applies to operands only, got slot ", in.slot);
+        TORCH_CHECK(!summed[in.slot], "contract_program: SELECT of operand ", in.slot, " after a SUM of it");
+        std::vector<int64_t>& s = read(in.slot, "SELECT");
+        TORCH_CHECK(in.dim >= 0 && in.dim < static_cast<int64_t>(s.size()), "contract_program: SELECT dim ", in.dim,
+                    " is out of range for operand ", in.slot, " with ", s.size(), " dims left");
+        fix_extent(in.k, s[in.dim]);
+        s.erase(s.begin() + in.dim);
+        break;
+      }
+      case kSum: {
+        std::vector<int64_t>& s = read(in.slot, "SUM");
+        if (in.slot < P.n_operands) summed[in.slot] = 1;
+        std::vector<char> seen(s.size(), 0);
+        for (int64_t d : in.dims) {
+          TORCH_CHECK(d >= 0 && d < static_cast<int64_t>(s.size()) && !seen[d], "contract_program: SUM dims ",
+                      at::IntArrayRef(in.dims), " are not distinct dims of slot ", in.slot, " (", s.size(), " dims)");
+          seen[d] = 1;
+        }
+        std::vector<int64_t> kept;
+        for (size_t d = 0; d < s.size(); ++d)
+          if (!seen[d]) kept.push_back(s[d]);
+        s = std::move(kept);
+        break;
+      }
+      case kContract: {
+        TORCH_CHECK(in.a != in.b, "contract_program: CONTRACT of slot ", in.a, " with itself");
+        const std::vector<int64_t>& sa = read(in.a, "CONTRACT");
+        const std::vector<int64_t>& sb = read(in.b, "CONTRACT");
+        TORCH_CHECK(is_permutation(in.perm_a, sa.size()) && is_permutation(in.perm_b, sb.size()),
+                    "contract_program: CONTRACT permutations ", at::IntArrayRef(in.perm_a), " and ",
+                    at::IntArrayRef(in.perm_b), " do not permute its operands' dims (", sa.size(), " and ", sb.size(),
+                    ")");
+        const char* what = "a CONTRACT's GEMM size";
+        TORCH_CHECK(in.bt >= 0 && in.m >= 0 && in.kk >= 0 && in.n >= 0, "contract_program: negative GEMM size");
+        const int64_t mk = checked_mul(checked_mul(in.bt, in.m, what), in.kk, what);
+        const int64_t kn = checked_mul(checked_mul(in.bt, in.kk, what), in.n, what);
+        const int64_t mn = checked_mul(checked_mul(in.bt, in.m, what), in.n, what);
+        TORCH_CHECK(numel_of(sa, "an operand") == mk && numel_of(sb, "an operand") == kn &&
+                        numel_of(in.shape_c, "a CONTRACT's result shape") == mn,
+                    "contract_program: CONTRACT of slots ", in.a, " ", at::IntArrayRef(sa), " and ", in.b, " ",
+                    at::IntArrayRef(sb), " into ", at::IntArrayRef(in.shape_c), " does not match its GEMM [", in.bt,
+                    ", ", in.m, ", ", in.kk, "] x [", in.bt, ", ", in.kk, ", ", in.n, "]");
+        live[in.a] = live[in.b] = 0;
+        live[in.c] = 1;
+        shp[in.c] = in.shape_c;
+        break;
+      }
+      case kFinal: {
+        const std::vector<int64_t>& s = read(in.slot, "FINAL");
+        TORCH_CHECK(is_permutation(in.perm, s.size()), "contract_program: FINAL permutation ",
+                    at::IntArrayRef(in.perm), " does not permute the dims of slot ", in.slot, " (", s.size(), ")");
+        numel_of(P.out_shape, "out_shape");
+        std::vector<int64_t> block = P.out_shape;
+        int64_t prev = static_cast<int64_t>(block.size());
+        for (const auto& [pos, k] : in.blocks) {  // descending positions, as block_of selects them
+          TORCH_CHECK(pos >= 0 && pos < prev, "contract_program: FINAL block positions must descend within the "
+                      "output's ", P.out_shape.size(), " dims");
+          fix_extent(k, block[pos]);
+          block.erase(block.begin() + pos);
+          prev = pos;
+        }
+        std::vector<int64_t> permuted;
+        for (int64_t d : in.perm) permuted.push_back(s[d]);
+        TORCH_CHECK(permuted == block, "contract_program: the result ", at::IntArrayRef(permuted),
+                    " does not fill the output block ", at::IntArrayRef(block), " of out_shape ",
+                    at::IntArrayRef(P.out_shape));
+        break;
+      }
+      default:  // kCheckpoint
+        break;
+    }
+  }
+  if (P.n_sliced == 0) return;
+  for (size_t j = 0; j < table.size(); ++j) {
+    const int64_t k = static_cast<int64_t>(j % P.n_sliced), v = table[j];
+    TORCH_CHECK(v >= 0 && (extent[k] < 0 || v < extent[k]), "contract_program: slice_table entry ", v,
+                " for sliced mode ", k, " is out of range [0, ", extent[k] < 0 ? 0 : extent[k], ")");
+  }
+}
+
 void check_operands(at::TensorList operands) {
   TORCH_CHECK(!operands.empty(), "contract_program: needs at least one operand");
   for (size_t i = 1; i < operands.size(); ++i) {
@@ -541,6 +675,7 @@ at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at
   check_operands(operands);
   GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
+  check_program(P, operands, slice_table);
   const int64_t rows = num_rows(P, slice_table);
   const Instr& fin = P.instrs.back();
   if (rows == 1 && fin.blocks.empty()) {
@@ -577,6 +712,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> contract_program_cached(at::Tens
   check_operands(operands);
   GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
+  check_program(P, operands, slice_table);
   TORCH_CHECK(num_rows(P, slice_table) == 1, "contract_program_cached: runs exactly one slice");
   const std::vector<char> needs = slot_needs(P, needs_grad);
   const Instr& fin = P.instrs.back();
@@ -795,6 +931,7 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
   check_operands(operands);
   GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
+  check_program(P, operands, slice_table);
   num_rows(P, slice_table);
   TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
               "contract_program_backward: needs_grad must have one entry per operand");
@@ -824,6 +961,7 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
   check_operands(operands);
   GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
+  check_program(P, operands, slice_table);
   num_rows(P, slice_table);
   const std::vector<char> needs = needs_of(P, grads);
   std::vector<at::Tensor> into(grads.begin(), grads.end());

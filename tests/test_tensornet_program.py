@@ -80,6 +80,111 @@ def test_malformed_programs_are_refused_on_both_sides():
         _cpp_reencode(ints, 3)
 
 
+def _matmul_program(perm_a=(0, 1), final_slot=2, final_perm=(0, 1), out_shape=(3, 5), b_slot=1, shape_c=(3, 5)):
+    """``a [3, 4] @ b [4, 5]`` as a hand-written program, with one field replaced."""
+    return fmt.encode(fmt.Program(2, 0, out_shape, (
+        fmt.Contract(0, b_slot, 2, perm_a, (0, 1), False, False, 1, 3, 4, 5, shape_c),
+        fmt.Final(final_slot, final_perm, ()))))
+
+
+def _sliced_matmul_program(out_shape=(3, 5), select=(0, 1, 0), sum_dims=None):
+    """``a [3, 4] @ b [4, 5]`` sliced over the contracted mode (SELECTs, then the GEMM)."""
+    pre = (fmt.Select(*select), fmt.Select(1, 0, 0))
+    if sum_dims is not None:
+        pre = (fmt.Sum(0, sum_dims),) + pre
+    return fmt.encode(fmt.Program(2, 1, out_shape, pre + (
+        fmt.Contract(0, 1, 2, (0,), (0,), False, False, 1, 3, 1, 5, (3, 5)), fmt.Final(2, (0, 1), ()))))
+
+
+@pytest.mark.parametrize("case, match", [
+    ("final_perm_out_of_range", "FINAL permutation"),
+    ("final_perm_negative", "FINAL permutation"),
+    ("contract_perm_out_of_range", "CONTRACT permutations"),
+    ("contract_perm_negative", "CONTRACT permutations"),
+    ("contract_with_itself", "with itself"),
+    ("gemm_size_mismatch", "does not match its GEMM"),
+    ("released_slot", "holds no tensor"),
+    ("out_shape_mismatch", "does not fill the output block"),
+    ("select_negative_dim", "SELECT dim"),
+    ("select_intermediate", "SELECT applies to operands only"),
+    ("select_after_sum", "after a SUM"),
+    ("sum_dim_out_of_range", "SUM dims"),
+    ("slice_index_negative", "slice_table entry"),
+    ("slice_index_too_large", "slice_table entry"),
+])
+@pytest.mark.parametrize("entry", ["forward", "cached", "backward", "accumulate"])
+def test_executor_refuses_malformed_programs_before_running(case, match, entry):
+    # The ops are public (torch.ops.torch_gradops): a malformed program must raise, never index
+    # out of range. Each case crashed (segfault, heap corruption), returned garbage or gave a
+    # misleading error before the executor checked programs against their operands.
+    a, b = torch.randn(3, 4), torch.randn(4, 5)
+    table = []
+    if case == "final_perm_out_of_range":
+        prog = _matmul_program(final_perm=(0, 2 ** 40))
+    elif case == "final_perm_negative":
+        prog = _matmul_program(final_perm=(-2, -1))
+    elif case == "contract_perm_out_of_range":
+        prog = _matmul_program(perm_a=(0, 10 ** 8))
+    elif case == "contract_perm_negative":
+        prog = _matmul_program(perm_a=(-2, -1))
+    elif case == "contract_with_itself":
+        b = torch.randn(3, 4)
+        prog = fmt.encode(fmt.Program(2, 0, (3, 3), (
+            fmt.Contract(0, 1, 2, (0, 1), (1, 0), False, False, 1, 3, 4, 3, (3, 3)),
+            fmt.Contract(2, 2, 3, (0, 1), (0, 1), False, False, 1, 3, 3, 3, (3, 3)), fmt.Final(3, (0, 1), ()))))
+    elif case == "gemm_size_mismatch":
+        prog = _matmul_program(shape_c=(3, 6))
+    elif case == "released_slot":
+        prog = _matmul_program(final_slot=0)
+    elif case == "out_shape_mismatch":
+        prog = _matmul_program(out_shape=(2, 3, 5))
+    elif case == "select_negative_dim":
+        prog, table = _sliced_matmul_program(select=(0, -1, 0)), [0]
+    elif case == "select_intermediate":
+        prog = fmt.encode(fmt.Program(2, 1, (5,), (
+            fmt.Contract(0, 1, 2, (0, 1), (0, 1), False, False, 1, 3, 4, 5, (3, 5)), fmt.Select(2, 0, 0),
+            fmt.Final(2, (0,), ()))))
+        table = [0]
+    elif case == "select_after_sum":
+        prog, table = _sliced_matmul_program(sum_dims=(0,)), [0]
+    elif case == "sum_dim_out_of_range":
+        prog = fmt.encode(fmt.Program(2, 0, (), (fmt.Sum(0, (100000,)), fmt.Sum(1, (0, 1)),
+                                                   fmt.Contract(0, 1, 2, (0,), (), False, False, 1, 1, 4, 1, ()),
+                                                   fmt.Final(2, (), ()))))
+    elif case == "slice_index_negative":
+        prog, table = _sliced_matmul_program(), [-1]
+    else:
+        prog, table = _sliced_matmul_program(), [4]
+    ops = torch.ops.torch_gradops
+    out_shape = fmt.decode(prog).out_shape
+    calls = {
+        "forward": lambda: ops.contract_program([a, b], prog, table),
+        "cached": lambda: ops.contract_program_cached([a, b], prog, table, [1, 1]),
+        "backward": lambda: ops.contract_program_backward([a, b], prog, table, torch.ones(out_shape), [1, 1], []),
+        "accumulate": lambda: ops.contract_program_accumulate([a, b], prog, table, torch.ones(out_shape),
+                                                             [torch.zeros_like(a), torch.zeros_like(b)]),
+    }
+    with pytest.raises(RuntimeError, match=match):
+        calls[entry]()
+
+
+def test_executor_program_checks_accept_every_planned_program():
+    # the checks refuse nothing the planner makes: sliced, chunked, hyperedges, output blocks
+    for expr, shapes, kw in [("ab,bc->ac", [(3, 4), (4, 5)], dict(slicing=["b"])),
+                             ("ab,bc->ac", [(3, 4), (4, 5)], dict(slicing=["a", "c"])),
+                             ("abc,bcd,dea->e", [(2, 3, 4), (3, 4, 5), (5, 6, 2)], dict(slicing={"min_slices": 8})),
+                             ("ii,ij,jk->ik", [(3, 3), (3, 4), (4, 5)], dict(slicing=["j"]))]:
+        ops = [torch.randn(s, dtype=torch.float64, requires_grad=True) for s in shapes]
+        p = tn.plan(expr, *ops, **kw)
+        assert p.num_slices > 1
+        out = p.contract(*ops)
+        torch.testing.assert_close(out, torch.einsum(expr, *ops))
+        g = torch.autograd.grad(out.square().sum(), ops)
+        ref = torch.autograd.grad(torch.einsum(expr, *ops).square().sum(), ops)
+        for x, y in zip(g, ref):
+            torch.testing.assert_close(x, y)
+
+
 def _random_networks(n, seed):
     """``n`` random networks (mode ids, sizes, an opt_einsum path, a slicing): hyperedges, batch
     and output modes, extents of 1 (and a few of 0), up to 7 operands."""
