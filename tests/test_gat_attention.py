@@ -480,6 +480,108 @@ def test_graph_construction_and_validation():
         tg.BipartiteCSC.from_edge_index(torch.tensor([[4], [0]]), 2, 2)
 
 
+def test_edge_list_and_perm_validation_names_the_argument():
+    from torch_gradops.graph import csc_from_edges
+    with pytest.raises(TypeError, match="src must hold integer node ids"):
+        csc_from_edges(torch.tensor([0.9, 1.7]), torch.tensor([1, 0]), 2, 2)  # was truncated to [0, 1]
+    with pytest.raises(TypeError, match="dst must hold integer node ids"):
+        csc_from_edges(torch.tensor([0, 1]), torch.tensor([True, False]), 2, 2)
+    with pytest.raises(ValueError, match="one entry per edge"):
+        csc_from_edges(torch.tensor([0]), torch.tensor([0, 1, 1]), 2, 2)  # was a graph of 1 edge, indptr [0,1,3]
+    with pytest.raises(ValueError, match="one entry per edge"):
+        csc_from_edges(torch.tensor([[0, 1]]), torch.tensor([[0, 1]]), 2, 2)
+    with pytest.raises(ValueError, match="self_loops"):
+        csc_from_edges(torch.tensor([0, 1]), torch.tensor([1, 0]), 2, 2, self_loops=-1)
+    g = csc_from_edges(torch.tensor([0, 1], dtype=torch.int16), torch.tensor([1, 0], dtype=torch.uint8), 2, 2)
+    assert g.indices.tolist() == [1, 0]  # other integer dtypes stay accepted
+    ip, ix = torch.tensor([0, 1, 2]), torch.tensor([0, 1])
+    with pytest.raises(IndexError, match="perm"):
+        tg.BipartiteCSC(ip, ix, 2, perm=torch.tensor([0, -1]))  # was accepted, wrapping in index_put_
+    with pytest.raises(IndexError, match="perm"):
+        tg.BipartiteCSC(ip, ix, 2, perm=torch.tensor([0, 2]))
+    with pytest.raises(ValueError, match="distinct"):
+        tg.BipartiteCSC(ip, ix, 2, perm=torch.tensor([1, 1]))
+    assert tg.BipartiteCSC(ip, ix, 2, perm=torch.tensor([1, 3]), num_input_edges=4).num_input_edges == 4
+
+
+@pytest.mark.parametrize("edit", ["indices", "indptr", "perm"])
+def test_cached_graph_indices_follow_in_place_edits(edit):
+    # The reverse index, destinations and inverse permutation are cached on the graph; an
+    # in-place edit of its tensors made the next backward use the stale ones (wrong gradients).
+    from torch_gradops.graph import csc_from_edges
+    torch.manual_seed(0)
+    g = csc_from_edges(torch.tensor([0, 1, 2, 3, 0, 1]), torch.tensor([0, 0, 1, 1, 2, 3]), 4, 4)
+    if edit == "perm":
+        g = tg.BipartiteCSC.from_edge_index(torch.tensor([[0, 1, 2, 3, 0, 1], [2, 0, 0, 1, 1, 3]]), 4, 4)
+    x = torch.randn(4, 1, 2, dtype=torch.float64, requires_grad=True)
+    a = torch.randn(4, 1, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(4, 1, dtype=torch.float64)
+    el = torch.randn(6, 1, dtype=torch.float64, requires_grad=True)
+
+    def grads(graph):
+        out = tg.gat_attention(x, a, b, graph, edge_logits=el)
+        return torch.autograd.grad(out.pow(2).sum(), (x, a, el))
+
+    grads(g)  # builds and caches the derived indices
+    with torch.no_grad():
+        if edit == "indices":
+            g.indices[0], g.indices[2] = 3, 0
+        elif edit == "indptr":
+            g.indptr[1] = 1
+        else:
+            g.perm[0], g.perm[1] = g.perm[1].item(), g.perm[0].item()
+    fresh = tg.BipartiteCSC(g.indptr.clone(), g.indices.clone(), 4, None if g.perm is None else g.perm.clone())
+    for got, want in zip(grads(g), grads(fresh)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_gat_backward_never_reads_unwritten_workspace():
+    # The raw op trusts its reverse index to be the graph's; one that misses edges left the CPU
+    # kernel's [E, H] workspace uninitialised there, and those gradients came back as garbage
+    # that changed from call to call. Now they are zero, the same on every call.
+    ops = torch.ops.torch_gradops
+    N, H, C = 4, 2, 3
+    x, a_s, a_d, el = torch.randn(N, H, C), torch.randn(N, H), torch.randn(N, H), torch.randn(N, H)
+    ip, ix = torch.arange(N + 1), torch.arange(N)
+    out, lse, _ = ops.gat_forward(x, a_s, a_d, el, ip, ix, None, 0.2, 1.0, False)
+    zero = torch.zeros(N, dtype=torch.long)
+    results = []
+    for _ in range(3):
+        torch.full((1 << 16,), 1e30)  # recycle memory with junk
+        g = ops.gat_backward(torch.ones(N, H, C), None, out, lse, x, a_s, a_d, el, ip, ix, ip, zero, zero,
+                             None, 0.2, 1.0, [False, False, True, True])
+        results.append((g[2].clone(), g[3].clone()))
+        assert torch.isfinite(g[2]).all() and torch.isfinite(g[3]).all()
+        assert (g[3][1:] == 0).all()  # the edges the reverse index misses
+    for r in results[1:]:
+        assert all(torch.equal(u, v) for u, v in zip(r, results[0]))
+
+
+def test_gat_backward_fake_kernel_matches_without_edge_logits():
+    ops = torch.ops.torch_gradops
+    N, H, C = 4, 2, 3
+    x, a_s, a_d = torch.randn(N, H, C), torch.randn(N, H), torch.randn(N, H)
+    ip, ix = torch.arange(N + 1), torch.arange(N)
+    out, lse, _ = ops.gat_forward(x, a_s, a_d, None, ip, ix, None, 0.2, 1.0, False)
+    args = (torch.ones(N, H, C), None, out, lse, x, a_s, a_d, None, ip, ix, ip, ix, ix, None, 0.2, 1.0, [True] * 4)
+    assert ops.gat_backward(*args)[3].shape == (0,)
+    torch.library.opcheck(ops.gat_backward.default, args, test_utils=("test_faketensor",))
+
+
+def test_cugraph_compat_errors_name_the_argument():
+    g = tg.BipartiteCSC.from_edge_index(torch.tensor([[0, 1], [1, 0]]), 2, 2)
+    feat = torch.randn(2, 6)
+    for fn, att in ((tg.mha_gat_n2n, torch.randn(12)), (tg.mha_gat_v2_n2n, torch.randn(6))):
+        for heads in (0, -2, 1.5, True):
+            with pytest.raises(ValueError, match="num_heads must be a positive int"):
+                fn(feat, att, g, num_heads=heads)  # 0 was a ZeroDivisionError
+        with pytest.raises(TypeError, match="attn_weights"):
+            fn(feat, att.double(), g, num_heads=2)  # was reported as "a_src ... dtype"
+        with pytest.raises(ValueError, match="edge_feat must have shape"):
+            fn(feat, torch.randn(att.numel() * 3 // 2 if fn is tg.mha_gat_n2n else 6), g, num_heads=2,
+               edge_feat=torch.randn(5, 6))  # was reported as "edge_logits must have shape"
+
+
 def test_bad_op_inputs_raise_clear_errors():
     ei, ns, nd = make_graph("random")
     graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
@@ -618,7 +720,7 @@ def test_mha_gat_n2n_matches_manual_composition():
     with pytest.raises(ValueError, match=r"destination features must have shape \[n_dst, 12\]"):
         tg.mha_gat_n2n((feat, torch.randn(2 * n, 6, dtype=torch.float64)), att[: 2 * heads * c], graph,
                        num_heads=heads)
-    with pytest.raises(ValueError, match=r"edge_feat must have shape \[E, num_heads\*C = 12\]"):
+    with pytest.raises(ValueError, match=r"edge_feat must have shape \[E = \d+, num_heads\*C = 12\]"):
         tg.mha_gat_n2n(feat, att, graph, num_heads=heads, edge_feat=torch.randn(ei.size(1), 2 * heads * c))
     with pytest.raises(ValueError, match="feat must be a tensor or a"):
         tg.mha_gat_n2n((feat, feat, feat), att, graph, num_heads=heads)

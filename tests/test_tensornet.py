@@ -1447,6 +1447,13 @@ def test_validation_errors():
         p.contract(a)
     with pytest.raises(ValueError, match="out has shape"):
         p.contract(a, b, out=torch.empty(3))
+    # another dtype or device was cast into silently (an int64 out truncated the result)
+    with pytest.raises(TypeError, match="out must have the result's dtype and device"):
+        p.contract(a, b, out=torch.empty(p.output_shape, dtype=torch.int64))
+    with pytest.raises(TypeError, match="out must have the result's dtype and device"):
+        p.contract(a, b, out=torch.empty(p.output_shape, dtype=a.dtype, device="meta"))
+    with pytest.raises(TypeError, match="below 2\\^63"):
+        tn.plan("ab->", (2 ** 63, 1))  # was a pybind "incompatible function arguments" dump
     with pytest.raises(TypeError, match="shape"):
         tn.plan("ab,bc->ac", (2, 3), "x")
     with pytest.raises(ValueError, match="at least one operand"):
@@ -1502,6 +1509,8 @@ def test_plan_gradients_of_promoted_operands_have_the_operands_dtype():
     assert ga32.dtype == torch.float32
     with pytest.raises(ValueError, match=r"grads\[0\] must be None or a tensor of operand 0's shape \(3, 4\)"):
         tn.plan("ab,bc->ac", a, b).gradients(a, b, output_grad=g, grads=[torch.zeros(2, 3, 4, dtype=F64), None])
+    with pytest.raises(TypeError, match=r"grads\[0\] must have operand 0's dtype and device"):
+        tn.plan("ab,bc->ac", a, b).gradients(a, b, output_grad=g, grads=[torch.zeros(3, 4, dtype=torch.int64), None])
 
 
 def test_empty_slice_group_keeps_the_operands_on_the_autograd_graph():

@@ -57,7 +57,8 @@ def _gat_backward_fake(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge
                        dropout_scale, output_mask):
     def maybe(flag, like):
         return torch.empty_like(like) if flag else like.new_empty((0,))
-    grad_el = (x_src.new_empty((indices.size(0), x_src.size(1))) if output_mask[3]
+    # as the kernels: no edge_logits, no gradient for them (an empty tensor) whatever the mask
+    grad_el = (x_src.new_empty((indices.size(0), x_src.size(1))) if output_mask[3] and edge_logits is not None
                else x_src.new_empty((0,)))
     return (maybe(output_mask[0], x_src), maybe(output_mask[1], a_src),
             maybe(output_mask[2], a_dst), grad_el)
@@ -786,11 +787,14 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
 
 
 # ---------------------------------------------------------------------------- cugraph-ops compat
-def _cugraph_inputs(feat, graph: BipartiteCSC, num_heads: int, activation, negative_slope: float,
+def _cugraph_inputs(feat, attn_weights, graph: BipartiteCSC, num_heads: int, activation, negative_slope: float,
                     edge_feat: Optional[torch.Tensor]):
     """The checked inputs of the cugraph-ops compatibility functions (:func:`mha_gat_n2n`,
     :func:`~torch_gradops.gatv2.mha_gat_v2_n2n`): ``(feat_src [n_src, H*C], feat_dst [n_dst,
-    H*C], edge_feat [E, H*C] or None, negative_slope)``, the slope 1 for a linear activation."""
+    H*C], edge_feat [E, H*C] or None, negative_slope)``, the slope 1 for a linear activation.
+    ``attn_weights``' shape is each function's own; its type and dtype are checked here."""
+    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+        raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     if isinstance(feat, (tuple, list)):
         if len(feat) != 2:
             raise ValueError(f"feat must be a tensor or a (feat_src, feat_dst) pair, got {len(feat)} tensors")
@@ -803,8 +807,14 @@ def _cugraph_inputs(feat, graph: BipartiteCSC, num_heads: int, activation, negat
     hc = feat_src.size(1)
     if feat_dst.dim() != 2 or feat_dst.size(1) != hc:
         raise ValueError(f"the destination features must have shape [n_dst, {hc}], got {tuple(feat_dst.shape)}")
-    if edge_feat is not None and (edge_feat.dim() != 2 or edge_feat.size(1) != hc):
-        raise ValueError(f"edge_feat must have shape [E, num_heads*C = {hc}], got {tuple(edge_feat.shape)}")
+    if edge_feat is not None and (edge_feat.dim() != 2 or edge_feat.size(1) != hc
+                                  or edge_feat.size(0) != graph.num_input_edges):
+        raise ValueError(f"edge_feat must have shape [E = {graph.num_input_edges}, num_heads*C = {hc}] (one row "
+                         f"per edge of the graph, original order), got {tuple(edge_feat.shape)}")
+    if not isinstance(attn_weights, torch.Tensor):
+        raise TypeError(f"attn_weights must be a torch.Tensor, got {type(attn_weights).__name__}")
+    if attn_weights.dtype != feat_src.dtype:
+        raise TypeError(f"attn_weights ({attn_weights.dtype}) must have feat's dtype ({feat_src.dtype})")
     if activation in (None, "Linear", "linear", "Identity"):
         negative_slope = 1.0
     elif activation != "LeakyReLU":
@@ -829,8 +839,8 @@ def mha_gat_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_heads
     Returns:
         ``[n_dst, num_heads*C]`` if ``concat_heads`` else ``[n_dst, C]`` (mean over heads).
     """
-    feat_src, feat_dst, edge_feat, negative_slope = _cugraph_inputs(feat, graph, num_heads, activation,
-                                                                    negative_slope, edge_feat)
+    feat_src, feat_dst, edge_feat, negative_slope = _cugraph_inputs(feat, attn_weights, graph, num_heads,
+                                                                    activation, negative_slope, edge_feat)
     hc = feat_src.size(1)
     channels = hc // num_heads
     expect = (3 if edge_feat is not None else 2) * hc

@@ -651,8 +651,8 @@ def mha_gat_v2_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_he
         ``[n_dst, num_heads*C]`` if ``concat_heads`` else ``[n_dst, C]`` (mean over heads).
     """
     del deterministic_dgrad, deterministic_wgrad  # always deterministic
-    feat_src, feat_dst, edge_feat, negative_slope = _cugraph_inputs(feat, graph, num_heads, activation,
-                                                                    negative_slope, edge_feat)
+    feat_src, feat_dst, edge_feat, negative_slope = _cugraph_inputs(feat, attn_weights, graph, num_heads,
+                                                                    activation, negative_slope, edge_feat)
     hc = feat_src.size(1)
     channels = hc // num_heads
     if attn_weights.dim() != 1 or attn_weights.numel() != hc:

@@ -115,6 +115,15 @@ class BipartiteCSC:
         if num_input_edges != E and (perm is None or num_input_edges < E):
             raise ValueError(f"num_input_edges ({num_input_edges}) must equal the number of edges ({E}), "
                              "or exceed it with a perm naming which original edges the graph holds")
+        if perm is not None and validate and E:
+            # the reorderings gather and scatter with perm: distinct ids within range, or rows
+            # would be read out of range or lost
+            lo, hi = int(perm.min()), int(perm.max())
+            if lo < 0 or hi >= num_input_edges:
+                raise IndexError(f"perm (original edge ids) out of range [0, {num_input_edges}): found "
+                                 f"{lo if lo < 0 else hi}")
+            if torch.unique(perm).numel() != E:
+                raise ValueError("perm must hold distinct original edge ids (it has repeats)")
         self.num_input_edges = num_input_edges
         self.indptr = indptr.contiguous()
         self.indices = indices.contiguous()
@@ -124,6 +133,7 @@ class BipartiteCSC:
         self._reverse: Optional[_ReverseIndex] = None
         self._dst: Optional[torch.Tensor] = None
         self._inv_perm: Optional[torch.Tensor] = None
+        self._versions_seen = None if torch.compiler.is_compiling() else self._versions()
         if validate:
             self._validate()
 
@@ -166,14 +176,37 @@ class BipartiteCSC:
     def dtype(self) -> torch.dtype:
         return self.indptr.dtype
 
+    def _versions(self):
+        """The version counters of ``indptr``, ``indices`` and ``perm``, or None where one is an
+        inference tensor (which has none)."""
+        ts = (self.indptr, self.indices) if self.perm is None else (self.indptr, self.indices, self.perm)
+        if any(t.is_inference() for t in ts):
+            return None
+        return tuple(t._version for t in ts)
+
+    def _drop_stale(self) -> None:
+        """Forget the derived indices (destinations, reverse index, inverse permutation) when
+        ``indptr``, ``indices`` or ``perm`` changed in place since they were built: a stale
+        reverse index gives wrong gradients silently. Inference tensors have no version counter,
+        so graphs of them rebuild what they use on every call. (Not while compiling: compiled
+        graphs build their own.)"""
+        if torch.compiler.is_compiling():
+            return
+        seen = self._versions()
+        if seen is None or seen != self._versions_seen:
+            self._dst = self._reverse = self._inv_perm = None
+            self._versions_seen = seen
+
     def dst_index(self) -> torch.Tensor:
         """``[E]`` destination id of each edge, in CSC order (built once)."""
+        self._drop_stale()
         if self._dst is None:
             self._dst = csc_destinations(self.indptr, self.num_edges)
         return self._dst
 
     def reverse_index(self) -> _ReverseIndex:
         """Source-grouped edge lists (built once): ``indptr [num_src+1]``, ``edge [E]``, ``dst [E]``."""
+        self._drop_stale()
         if self._reverse is None:
             edge = torch.argsort(self.indices, stable=True)
             # searchsorted over the sorted sources rather than bincount: its output size is
@@ -209,6 +242,7 @@ class BipartiteCSC:
     def _inverse_perm(self) -> torch.Tensor:
         """``[num_input_edges]`` CSC position of each original edge (``perm``'s inverse; ``E``
         for the edges left out), cached."""
+        self._drop_stale()
         inv = self._inv_perm
         if inv is None:
             # a scatter (perm's ids are distinct), not an argsort: O(E), and it covers left-out edges
@@ -223,6 +257,7 @@ class BipartiteCSC:
         device = torch.device(device)
         if device == self.device:
             return self
+        self._drop_stale()
         g = BipartiteCSC(self.indptr.to(device), self.indices.to(device), self.num_src,
                          None if self.perm is None else self.perm.to(device),
                          num_input_edges=self.num_input_edges, validate=False)
@@ -313,6 +348,18 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
     num_src, num_dst = int(num_src), int(num_dst)
     if num_src < 0 or num_dst < 0:
         raise ValueError(f"num_src and num_dst must be >= 0, got {num_src} and {num_dst}")
+    for t, name in ((src, "src"), (dst, "dst")):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer node ids, got {t.dtype}")
+    if src.dim() != 1 or dst.dim() != 1 or src.numel() != dst.numel():
+        raise ValueError(f"src and dst must be 1-D with one entry per edge, got shapes {tuple(src.shape)} and "
+                         f"{tuple(dst.shape)}")
+    if src.device != dst.device:
+        raise ValueError(f"src ({src.device}) and dst ({dst.device}) must be on one device")
+    if self_loops is not None and int(self_loops) < 0:
+        raise ValueError(f"self_loops must be None or >= 0, got {self_loops}")
     device = src.device
     src, dst = src.long(), dst.long()
     E = src.numel()

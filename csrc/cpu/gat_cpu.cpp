@@ -229,8 +229,10 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
 
   // Pass B, per source over the reverse index: the one row gather of the backward (grad_out of
   // each destination). It gives grad x_src, dA = <g_i, x_j> and so dz, hence grad a_src; dz goes
-  // to an [E,H] workspace for the destination-side sums.
-  at::Tensor dz_t = (gad || gel) ? at::empty({E, H}, acc_opts) : at::Tensor();
+  // to an [E,H] workspace for the destination-side sums. Zeroed: a valid reverse index writes
+  // every edge, but the raw op cannot afford to prove one valid (a permutation, consistent with
+  // indptr), and an edge it misses must read as zero, not as uninitialised memory.
+  at::Tensor dz_t = (gad || gel) ? at::zeros({E, H}, acc_opts) : at::Tensor();
   acc_t* dz_ws = dz_t.defined() ? dz_t.data_ptr<acc_t>() : nullptr;
   const index_t* rptr = rev_indptr.data_ptr<index_t>();
   const index_t* redge = rev_edge.data_ptr<index_t>();

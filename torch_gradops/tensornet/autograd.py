@@ -348,6 +348,11 @@ def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
         if buf is not None and (not isinstance(buf, torch.Tensor) or tuple(buf.shape) != shape):
             got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
             raise ValueError(f"grads[{i}] must be None or a tensor of operand {i}'s shape {shape}, got {got}")
+        op = operands[i] if i < len(operands) else None
+        if buf is not None and isinstance(op, torch.Tensor) and (buf.dtype != op.dtype or buf.device != op.device):
+            # a gradient is written as the operand's dtype: another buffer dtype would truncate it
+            raise TypeError(f"grads[{i}] must have operand {i}'s dtype and device ({op.dtype}, {op.device}), got "
+                            f"{buf.dtype}, {buf.device}")
     with torch.no_grad():
         raw_ops = [op.detach() if isinstance(op, torch.Tensor) else op for op in operands]
         eff = plan.prepare(raw_ops)

@@ -152,6 +152,10 @@ class ContractionPlan:
             return autograd.contract_prepared(self, eff, slices, progress)
         if tuple(out.shape) != self.output_shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, the result has {self.output_shape}")
+        if out.dtype != eff[0].dtype or out.device != eff[0].device:
+            # copy_/add_ would cast (truncating into an integer out) or cross devices silently
+            raise TypeError(f"out must have the result's dtype and device ({eff[0].dtype}, {eff[0].device}), got "
+                            f"{out.dtype}, {out.device}")
         with torch.no_grad():
             res = autograd.contract_prepared(self, eff, slices, progress)
             return out.add_(res) if accumulate else out.copy_(res)
