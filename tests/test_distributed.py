@@ -177,5 +177,40 @@ def _tn_mismatched_plans(rank, world_size):
 
 
 def test_ranks_with_different_plans_get_a_clear_error():
-    with pytest.raises(RuntimeError, match="ranks planned different contractions"):
+    with pytest.raises(RuntimeError, match="path or sliced modes of rank"):
         launch(_tn_mismatched_plans, 2, timeout=TIMEOUT)
+
+
+def _tn_mismatched_inputs(rank, world_size, what):
+    import torch.distributed as dist
+
+    import torch_gradops as tg
+
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    expr = "ab,bc->ac"
+    if what == "expr" and rank == 1:
+        expr = "ab,bc->ca"  # same shapes, another output order: the sums were silently wrong
+    if what == "dtype" and rank == 1:
+        a, b = a.float(), b.float()  # different buffer sizes: a gloo rank aborted
+    a.requires_grad_(what != "grad" or rank == 0)
+    out = tg.tensornet.contract(expr, a, b, slicing=["b"], process_group=dist.group.WORLD)
+    out.sum().backward()
+
+
+@pytest.mark.parametrize("what, match", [("expr", "network"), ("dtype", "dtype"),
+                                         ("grad", "operands requiring gradients")])
+def test_ranks_contracting_different_inputs_get_a_clear_error(what, match):
+    with pytest.raises(RuntimeError, match=f"ranks contract different things: the {match}"):
+        launch(_tn_mismatched_inputs, 2, what, timeout=TIMEOUT)
+
+
+def test_distributed_contract_local_path_fills_stats():
+    from torch_gradops.distributed import ContractStats, contract
+
+    expr, ops, options = _tn_inputs(0)
+    stats = ContractStats()
+    contract(expr, *ops, stats=stats, **options)  # no process group: local, every slice here
+    from torch_gradops import tensornet
+    plan = tensornet.plan(expr, *ops, **options)
+    assert stats.slices == plan.num_slices > 1 and stats.compute_s > 0 and stats.comm_s == 0

@@ -1994,3 +1994,20 @@ def test_hoisting_cuts_the_work_of_a_real_lattice_within_the_memory_contract():
     assert p.hoisted is not None and q.hoisted is None and p.num_slices == q.num_slices
     assert 3 * p.flops + p.recompute_flops < 0.9 * (3 * q.flops + q.recompute_flops)
     assert p.modelled_peak <= tn.slicer.MODEL_CAP * 4 * 2**20
+
+
+def test_einsum_pairwise_reference_takes_more_than_26_output_modes():
+    from torch_gradops.testing import einsum_pairwise
+    inputs, output = [list(range(15)), list(range(15, 30))], list(range(30))
+    arrays = [torch.randn((1,) * 14 + (2,)), torch.randn((2,) + (1,) * 14)]
+    got = einsum_pairwise(inputs, output, arrays, [(0, 1)])  # failed: "invalid subscript at index 26"
+    assert got.shape == (1,) * 14 + (2, 2) + (1,) * 14
+    torch.testing.assert_close(got.reshape(2, 2), torch.outer(arrays[0].reshape(2), arrays[1].reshape(2)))
+
+
+def test_empty_path_cache_means_no_disk_cache(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    ops = [torch.randn(2, 2) for _ in range(12)]
+    expr = ",".join(f"{chr(97 + i)}{chr(98 + i)}" for i in range(12)) + "->"  # a chain worth a search
+    tn.plan(expr, *ops, optimize="cotengra", path_cache="")
+    assert list(tmp_path.iterdir()) == []  # it wrote torch_gradops-<hash>/ into the current directory

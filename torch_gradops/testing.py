@@ -501,7 +501,7 @@ def einsum_pairwise(inputs: Sequence[Sequence[int]], output: Sequence[int], arra
             "".join(letters[m] for m in keep)
         items.append((keep, torch.einsum(eq, a, b)))
     (modes, res), = items
-    letters = {m: chr(97 + n) for n, m in enumerate(modes)}
+    letters = {m: chr(97 + n) if n < 26 else chr(65 + n - 26) for n, m in enumerate(modes)}
     return torch.einsum("".join(letters[m] for m in modes) + "->" + "".join(letters[m] for m in output), res)
 
 

@@ -7,7 +7,8 @@ import torch
 
 from torch_gradops.testing import format_bytes, train_cora
 
-ACC_RANGE = (0.79, 0.84)  # the usual GAT-on-Cora test accuracy
+ACC_RANGE = (0.79, 0.84)  # the usual GAT-on-Cora test accuracy after FULL_EPOCHS
+FULL_EPOCHS = 200
 
 
 def run(device: str = "cpu", epochs: int = 200, progress: bool = True) -> bool:
@@ -44,6 +45,10 @@ def run(device: str = "cpu", epochs: int = 200, progress: bool = True) -> bool:
     ours, pyg = results["torch_gradops"], results["PyG"]
     print(f"   speed-up per epoch: {pyg['epoch_s'] / ours['epoch_s']:.2f}x; peak memory: {mem_note}")
     lo, hi = ACC_RANGE
+    if epochs < FULL_EPOCHS:  # the range is that of a full training run
+        print(f"   torch_gradops test accuracy {ours['test_acc']:.4f} (not checked: the expected range "
+              f"[{lo}, {hi}] is for {FULL_EPOCHS} epochs or more)")
+        return True
     ok = lo <= ours["test_acc"] <= hi
     print(f"   torch_gradops test accuracy {ours['test_acc']:.4f} "
           f"{'in' if ok else 'OUTSIDE'} the expected range [{lo}, {hi}] -> {'OK' if ok else 'FAIL'}")

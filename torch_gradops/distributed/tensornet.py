@@ -43,7 +43,9 @@ def split_by_cost(costs: Sequence[float], world_size: int) -> List[List[int]]:
 @dataclass
 class ContractStats:
     """What this rank did in a distributed contraction: filled in by the forward and added to
-    by the backward when passed as ``stats=`` (seconds computing and communicating, slices)."""
+    by the backward when passed as ``stats=`` (seconds computing and communicating, slices). A
+    contraction that runs locally (no process group, or a group of one) records its forward:
+    every slice, no communication."""
     compute_s: float = 0.0
     comm_s: float = 0.0
     slices: int = 0
@@ -63,17 +65,31 @@ def _rank_slices(plan, group) -> range:
     return rank_slices(plan.num_slices, dist.get_world_size(group), dist.get_rank(group))
 
 
-def _check_same_plan(plan, group) -> None:
-    """Every rank must run the same path and slicing, or the partial sums do not add up.
-    Randomised optimisers (cotengra's hyper-search) can differ per rank: refuse that."""
-    mine = (list(plan.path), list(plan.sliced_modes), plan.num_slices)
+def _check_same_plan(plan, operands, group) -> None:
+    """Every rank must contract the same network with the same path and slicing, operands of
+    the same shapes and dtype, and want the same gradients, or the partial sums do not add up
+    (or the collectives get buffers of different sizes, which ends a gloo rank and hangs NCCL).
+    Randomised optimisers (cotengra's hyper-search) can differ per rank: refuse that too."""
+    from ..tensornet import parser
+    net = plan.network
+    wants = [bool(torch.is_grad_enabled() and isinstance(op, torch.Tensor) and op.requires_grad) for op in operands]
+    mine = {
+        "network (expression or operand shapes)": (repr(net.inputs), repr(net.output), sorted(net.sizes.items()),
+                                                   plan.shapes),
+        "dtype": str(parser.promoted_dtype(operands)),
+        "operands requiring gradients": wants,
+        "path or sliced modes": (list(plan.path), list(plan.sliced_modes), plan.num_slices),
+    }
     every = [None] * dist.get_world_size(group)
     dist.all_gather_object(every, mine, group=group)  # all ranks see all plans: all raise together
-    if any(other != every[0] for other in every):
-        raise RuntimeError(
-            "ranks planned different contractions (path or sliced modes differ between ranks); "
-            "plan with the same arguments on every rank (the default search is seeded and "
-            "deterministic), or pass an explicit path and slicing=[modes], or the same plan=")
+    for what in mine:
+        if any(other[what] != every[0][what] for other in every):
+            ranks = [r for r, other in enumerate(every) if other[what] != every[0][what]]
+            raise RuntimeError(
+                f"ranks contract different things: the {what} of rank(s) {ranks} differ from rank 0's; every "
+                "rank must pass the same expression, operand shapes and dtype, and the same requires_grad "
+                "flags, and plan with the same arguments (the default search is seeded and deterministic), "
+                "or pass an explicit path and slicing=[modes], or the same plan=")
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -140,12 +156,22 @@ def contract_plan(plan, operands, process_group=None, progress: bool = False,
     (default: the whole world when ``torch.distributed`` is initialised; otherwise local).
     Every rank gets the full result; gradients flow as described in the module docstring.
     ``stats``: a :class:`ContractStats` to fill in (this rank's compute and communication time)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return plan.contract(*operands, progress=progress)
-    group = process_group if process_group is not None else dist.group.WORLD
-    if dist.get_world_size(group) == 1:
-        return plan.contract(*operands, progress=progress)
-    _check_same_plan(plan, group)
+    group = None
+    if dist.is_available() and dist.is_initialized():
+        group = process_group if process_group is not None else dist.group.WORLD
+        if dist.get_rank(group) < 0:
+            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
+    if group is None or dist.get_world_size(group) == 1:  # local: this process runs every slice
+        t0 = time.perf_counter()
+        out = plan.contract(*operands, progress=progress)
+        if stats is not None:
+            stats.compute_s, stats.comm_s, stats.slices = time.perf_counter() - t0, 0.0, plan.num_slices
+        return out
+    if any(isinstance(op, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(op) for op in operands):
+        raise NotImplementedError(
+            "torch.func transforms (grad, jvp, vmap, ...) through a distributed contraction are not supported; "
+            "contract locally (no process_group) under torch.func")
+    _check_same_plan(plan, operands, group)
     slices = _rank_slices(plan, group)
     return DistributedContractFunction.apply(plan, group, slices, stats, *operands)
 

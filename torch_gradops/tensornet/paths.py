@@ -213,7 +213,7 @@ def _seeded(fn):
 def _cache_directory(path_cache, options) -> Optional[str]:
     if path_cache is None:
         path_cache = os.environ.get(PATH_CACHE_ENV) or None
-    if path_cache is None:
+    if not path_cache:  # "" means no disk cache, as for the variable (it was the current directory)
         return None
     key = hashlib.sha1(repr((_CACHE_VERSION, options)).encode()).hexdigest()[:16]
     return os.path.join(os.fspath(path_cache), f"torch_gradops-{key}")
