@@ -2,7 +2,8 @@
 
     torchrun --standalone --nproc_per_node=2 examples/distributed_gat.py --epochs 100
 
-Each rank trains on its share of the training nodes (``train_idx[rank::world_size]``) in
+Each rank trains on its share of a per-epoch shuffle of the training nodes (every
+``world_size``-th node; shares of equal size, so every rank takes the same number of steps) in
 mini-batches of sampled neighbourhoods: PyG's ``NeighborLoader`` when a sampling backend
 (pyg-lib or torch-sparse) is installed, otherwise the full ``num_hops`` neighbourhood of the
 batch from ``torch_geometric.utils.k_hop_subgraph``. DDP averages the gradients, so a step equals
@@ -39,12 +40,16 @@ def _sampler_available() -> bool:
 def rank_batches(data, rank: int, world_size: int, batch_size: int, num_hops: int, epoch: int, seed: int):
     """This rank's mini-batches for one epoch: ``(x, edge_index, seed_positions, y)``.
 
-    Every rank draws the same shuffle of the training nodes (same seed and epoch) and takes
-    every ``world_size``-th node of it, so shares are disjoint and of equal size.
+    Every rank draws the same shuffle of the training nodes (same seed and epoch), drops its
+    last ``len % world_size`` nodes (a different few each epoch) and takes every
+    ``world_size``-th node of the rest, so shares are disjoint and of equal size: every rank runs
+    the same number of batches, which DDP's gradient all-reduce needs (a rank with one batch
+    fewer would leave the others waiting in it).
     """
     train_idx = data.train_mask.nonzero().view(-1)
     gen = torch.Generator().manual_seed(seed * 1000 + epoch)
-    share = train_idx[torch.randperm(train_idx.numel(), generator=gen)][rank::world_size]
+    even = train_idx.numel() // world_size * world_size
+    share = train_idx[torch.randperm(train_idx.numel(), generator=gen)][:even][rank::world_size]
     if _sampler_available():
         from torch_geometric.loader import NeighborLoader
         # The sampler draws from torch's global generator: seed it per (seed, epoch, rank) so a
@@ -100,6 +105,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    if args.epochs < 1 or args.batch_size < 1:
+        parser.error("--epochs and --batch-size must be >= 1")
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:

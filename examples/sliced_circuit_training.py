@@ -107,6 +107,8 @@ def main(argv=None) -> dict:
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = p.parse_args(argv)
+    if args.rows < 1 or args.cols < 2 or args.depth < 1 or args.steps < 1:
+        p.error("--rows and --depth must be >= 1, --cols >= 2 (the circuit needs two-qubit gates) and --steps >= 1")
 
     device = torch.device(args.device)
     inputs, _, arrays = circuit_amplitude_network(args.rows, args.cols, args.depth, seed=args.seed)

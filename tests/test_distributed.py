@@ -35,6 +35,22 @@ def _hang(rank, world_size):
     time.sleep(60)
 
 
+def _fail_while_rank_zero_waits(rank, world_size):
+    import time
+
+    import torch.distributed as dist
+    if rank == 1:
+        time.sleep(0.5)
+        raise ValueError("the root cause on rank one")
+    dist.barrier()  # fails once rank 1 is gone: a consequence, reported after the cause
+
+
+def test_launch_reports_the_rank_that_failed_first():
+    # it reported rank 0's "Connection closed by peer" and never showed rank 1's error
+    with pytest.raises(RuntimeError, match="rank 1 failed first:(.|\n)*the root cause on rank one(.|\n)*rank 0 failed"):
+        launch(_fail_while_rank_zero_waits, 2, timeout=TIMEOUT)
+
+
 def test_launch_returns_results_and_reports_failures():
     assert launch(_echo, 2, 10) == [(0, 2, 21.0), (1, 2, 21.0)]
     with pytest.raises(RuntimeError, match="rank 1 failed(.|\n)*rank one fails on purpose"):
@@ -110,6 +126,21 @@ TN_CASES = [
     # under a memory limit: ab,bc,cd do not depend on the sliced e (hoisted: computed once per rank)
     ("ab,bc,cd,de,ea->a", [(3, 4), (4, 5), (5, 3), (3, 6), (6, 3)], ["e"], torch.float64, "1MiB"),
 ]
+
+
+@pytest.mark.parametrize("world, batch", [(3, 46), (6, 35), (3, 1000)])
+def test_example_ranks_get_equal_shares_and_batch_counts(world, batch):
+    # 140 training nodes over 3 ranks in batches of 46 gave 2/2/1 batches: the rank with one
+    # fewer left DDP's all-reduce and the others failed ("Connection closed by peer").
+    from torch_gradops.datasets import load_cora
+    ex = _example()
+    data = load_cora(normalize_features=True)
+    for epoch in range(2):
+        batches = [list(ex.rank_batches(data, r, world, batch, 1, epoch, 0)) for r in range(world)]
+        counts = [len(b) for b in batches]
+        nodes = [sum(len(y) for *_, y in b) for b in batches]  # seed nodes per rank
+        assert len(set(counts)) == 1 and counts[0] > 0, counts
+        assert nodes == [int(data.train_mask.sum()) // world] * world, nodes
 
 
 def _tn_inputs(case):
@@ -203,6 +234,38 @@ def _tn_mismatched_inputs(rank, world_size, what):
 def test_ranks_contracting_different_inputs_get_a_clear_error(what, match):
     with pytest.raises(RuntimeError, match=f"ranks contract different things: the {match}"):
         launch(_tn_mismatched_inputs, 2, what, timeout=TIMEOUT)
+
+
+def _tn_group_membership_func_progress(rank, world_size):
+    import torch.distributed as dist
+
+    import torch_gradops as tg
+
+    out = {}
+    only_zero = dist.new_group([0])  # every rank must create it
+    torch.manual_seed(0)  # the same operands on every rank
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    try:
+        tg.distributed.contract("ab,bc->ac", a, b, slicing=["b"], process_group=only_zero)
+        out["member"] = "ran"
+    except ValueError as e:
+        out["member"] = str(e)
+    try:
+        torch.func.grad(lambda x: tg.distributed.contract("ab,bc->", x, b, slicing=["b"]))(a)
+        out["func"] = "ran"
+    except NotImplementedError as e:
+        out["func"] = str(e)
+    got = tg.distributed.contract("ab,bc->ac", a, b, slicing=["b"], progress=True)
+    out["progress_close"] = bool(torch.allclose(got, a @ b))
+    return out
+
+
+def test_distributed_contract_group_membership_func_and_progress():
+    results = launch(_tn_group_membership_func_progress, 2, timeout=TIMEOUT)
+    assert results[0]["member"] == "ran"  # a group of one: local
+    assert "not a member of process_group" in results[1]["member"]  # was "rank -1 is not in a world of size -1"
+    assert all("torch.func transforms" in r["func"] for r in results)  # was an opaque all_reduce error
+    assert all(r["progress_close"] for r in results)
 
 
 def test_distributed_contract_local_path_fills_stats():

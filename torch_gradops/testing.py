@@ -191,17 +191,21 @@ def _worker(rank: int, world_size: int, port: int, backend: str, result_dir: str
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     path = os.path.join(result_dir, f"rank{rank}.pt")
+    failed_at = None  # when fn raised: before destroying the group, which fails the waiting peers
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         try:
             result = fn(rank, world_size, *args)
+        except BaseException:
+            failed_at = time.time()
+            raise
         finally:
             dist.destroy_process_group()
         torch.save({"ok": True, "result": result}, path)
     except BaseException:  # report every failure, KeyboardInterrupt included
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
+        torch.save({"ok": False, "error": traceback.format_exc(), "time": failed_at or time.time()}, path)
         raise
 
 
@@ -235,15 +239,26 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
                 if p.is_alive():
                     p.kill()
                 p.join(5)
-        results = []
+        results, failed, missing = [], [], []
         for rank in range(world_size):
             path = os.path.join(result_dir, f"rank{rank}.pt")
             if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} exited without a result (killed or crashed)")
+                missing.append(rank)
+                continue
             payload = torch.load(path, weights_only=False)
-            if not payload["ok"]:
-                raise RuntimeError(f"rank {rank} failed:\n{payload['error']}")
-            results.append(payload["result"])
+            if payload["ok"]:
+                results.append(payload["result"])
+            else:
+                failed.append((payload.get("time", 0.0), rank, payload["error"]))
+        if failed:
+            # the rank that failed first is the cause; the others usually failed waiting for it
+            # (a collective whose peer is gone), so their tracebacks come after
+            failed.sort()
+            text = "\n".join(f"rank {rank} failed{' first' if i == 0 and len(failed) > 1 else ''}:\n{err}"
+                              for i, (_, rank, err) in enumerate(failed))
+            raise RuntimeError(text + (f"\nranks {missing} exited without a result" if missing else ""))
+        if missing:
+            raise RuntimeError(f"rank {missing[0]} exited without a result (killed or crashed)")
         return results
 
 # ---------------------------------------------------------------------------- GAT

@@ -98,14 +98,15 @@ def _sync(t: torch.Tensor) -> None:
 
 
 class DistributedContractFunction(torch.autograd.Function):
-    """``apply(plan, group, slices, stats, *operands)``: this rank's slice group, then a sum
-    ``all_reduce``; ``backward``: this rank's slices' gradients, then a sum ``all_reduce``."""
+    """``apply(plan, group, slices, stats, progress, *operands)``: this rank's slice group (a
+    tqdm bar over it with ``progress``), then a sum ``all_reduce``; ``backward``: this rank's
+    slices' gradients, then a sum ``all_reduce``."""
 
     @staticmethod
-    def forward(ctx, plan, group, slices, stats, *operands):
+    def forward(ctx, plan, group, slices, stats, progress, *operands):
         t0 = time.perf_counter()
         with torch.no_grad():
-            part = plan.contract(*operands, slices=slices)
+            part = plan.contract(*operands, slices=slices, progress=progress)
         _sync(part)
         t1 = time.perf_counter()
         dist.all_reduce(part, group=group)
@@ -123,7 +124,7 @@ class DistributedContractFunction(torch.autograd.Function):
                 "create_graph=True through a distributed contraction is not supported; contract "
                 "locally (no process_group) for higher-order gradients")
         operands = ctx.saved_tensors
-        want = ctx.needs_input_grad[4:]
+        want = ctx.needs_input_grad[5:]
         t0 = time.perf_counter()
         grads = [torch.zeros_like(op) if w else None for op, w in zip(operands, want)]
         if ctx.slices:
@@ -147,7 +148,7 @@ class DistributedContractFunction(torch.autograd.Function):
         if ctx.stats is not None:
             ctx.stats.compute_s += t1 - t0
             ctx.stats.comm_s += time.perf_counter() - t1
-        return (None, None, None, None, *grads)
+        return (None, None, None, None, None, *grads)
 
 
 def contract_plan(plan, operands, process_group=None, progress: bool = False,
@@ -173,7 +174,7 @@ def contract_plan(plan, operands, process_group=None, progress: bool = False,
             "contract locally (no process_group) under torch.func")
     _check_same_plan(plan, operands, group)
     slices = _rank_slices(plan, group)
-    return DistributedContractFunction.apply(plan, group, slices, stats, *operands)
+    return DistributedContractFunction.apply(plan, group, slices, stats, bool(progress), *operands)
 
 
 def contract(*args, process_group=None, memory_limit=None, optimize="auto", slicing=None, plan=None,
