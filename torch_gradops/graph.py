@@ -9,10 +9,14 @@ import torch
 __all__ = ["BipartiteCSC", "csc_from_edges", "check_edge_range", "csc_destinations"]
 
 
-def _check_index_tensor(t, name):
+def _check_index_tensor(t, name, any_integer: bool = False):
+    """``t`` a tensor of int32/int64 ids (``any_integer``: of any integer dtype, to be converted)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in (torch.int32, torch.int64):
+    if any_integer:
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"{name} must hold integer node ids, got {t.dtype}")
+    elif t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
 
 
@@ -348,11 +352,8 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
     num_src, num_dst = int(num_src), int(num_dst)
     if num_src < 0 or num_dst < 0:
         raise ValueError(f"num_src and num_dst must be >= 0, got {num_src} and {num_dst}")
-    for t, name in ((src, "src"), (dst, "dst")):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-            raise TypeError(f"{name} must hold integer node ids, got {t.dtype}")
+    _check_index_tensor(src, "src", any_integer=True)
+    _check_index_tensor(dst, "dst", any_integer=True)
     if src.dim() != 1 or dst.dim() != 1 or src.numel() != dst.numel():
         raise ValueError(f"src and dst must be 1-D with one entry per edge, got shapes {tuple(src.shape)} and "
                          f"{tuple(dst.shape)}")

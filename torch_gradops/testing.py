@@ -37,7 +37,8 @@ from ._units import format_bytes
 
 __all__ = ["PeakMemory", "peak_allocated_bytes", "format_bytes", "gemm_team_parts", "atomic_sum_ops", "free_port",
            "launch", "gat_composite", "CoraGAT", "train_cora", "powerlaw_edge_index", "Network",
-           "circuit_amplitude_network", "peps_norm_network", "mps_network", "lattice_network", "interleave", "einsum_pairwise"]
+           "circuit_amplitude_network", "peps_norm_network", "mps_network", "lattice_network", "interleave",
+           "einsum_pairwise"]
 
 
 # ---------------------------------------------------------------------------- memory
@@ -249,7 +250,7 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
             if payload["ok"]:
                 results.append(payload["result"])
             else:
-                failed.append((payload.get("time", 0.0), rank, payload["error"]))
+                failed.append((payload["time"], rank, payload["error"]))
         if failed:
             # the rank that failed first is the cause; the others usually failed waiting for it
             # (a collective whose peer is gone), so their tracebacks come after
@@ -498,6 +499,11 @@ def lattice_network(rows: int, cols: int, bond: int, seed: int = 0, dtype=torch.
     return inputs, [ids[ix] for ix in eq.output], arrays
 
 
+def _letters(modes) -> Dict[Any, str]:
+    """Mode -> einsum letter, a-z then A-Z (torch.einsum's 52)."""
+    return {m: chr(97 + n) if n < 26 else chr(65 + n - 26) for n, m in enumerate(modes)}
+
+
 def einsum_pairwise(inputs: Sequence[Sequence[int]], output: Sequence[int], arrays: Sequence[torch.Tensor],
                     path: Sequence[Tuple[int, int]]) -> torch.Tensor:
     """Evaluate the network with one torch.einsum call per pairwise step of ``path`` (letters
@@ -511,12 +517,12 @@ def einsum_pairwise(inputs: Sequence[Sequence[int]], output: Sequence[int], arra
         for t, _ in items:
             rest.update(t)
         keep = [m for m in dict.fromkeys(mi + mj) if m in rest]
-        letters = {m: chr(97 + n) if n < 26 else chr(65 + n - 26) for n, m in enumerate(dict.fromkeys(mi + mj))}
+        letters = _letters(dict.fromkeys(mi + mj))
         eq = "".join(letters[m] for m in mi) + "," + "".join(letters[m] for m in mj) + "->" + \
             "".join(letters[m] for m in keep)
         items.append((keep, torch.einsum(eq, a, b)))
     (modes, res), = items
-    letters = {m: chr(97 + n) if n < 26 else chr(65 + n - 26) for n, m in enumerate(modes)}
+    letters = _letters(modes)
     return torch.einsum("".join(letters[m] for m in modes) + "->" + "".join(letters[m] for m in output), res)
 
 

@@ -74,8 +74,7 @@ def _check_same_plan(plan, operands, group) -> None:
     net = plan.network
     wants = [bool(torch.is_grad_enabled() and isinstance(op, torch.Tensor) and op.requires_grad) for op in operands]
     mine = {
-        "network (expression or operand shapes)": (repr(net.inputs), repr(net.output), sorted(net.sizes.items()),
-                                                   plan.shapes),
+        "network (expression or operand shapes)": (net.inputs, net.output, sorted(net.sizes.items()), plan.shapes),
         "dtype": str(parser.promoted_dtype(operands)),
         "operands requiring gradients": wants,
         "path or sliced modes": (list(plan.path), list(plan.sliced_modes), plan.num_slices),

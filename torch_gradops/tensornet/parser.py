@@ -188,10 +188,9 @@ def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Ten
         elif isinstance(x, (tuple, list, torch.Size)) and all(isinstance(e, int) and 0 <= e < 2 ** 63 for e in x):
             shapes.append(tuple(int(e) for e in x))
         else:
+            got = repr(x) if isinstance(x, (tuple, list)) else type(x).__name__
             raise TypeError(f"operand {i} must be a torch.Tensor or a shape (tuple of non-negative ints below "
-                            f"2^63), got {x!r}" if isinstance(x, (tuple, list)) else
-                            f"operand {i} must be a torch.Tensor or a shape (tuple of non-negative ints below "
-                            f"2^63), got {type(x).__name__}")
+                            f"2^63), got {got}")
     return shapes, tensors
 
 
