@@ -571,6 +571,12 @@ def test_forced_slicing_and_optimizers():
     p = tn.plan(expr, *ops, optimize="cotengra", memory_limit=tn.plan(expr, *ops).largest_intermediate[1] // 4)
     assert p.optimizer == "cotengra" and p.num_slices > 1
     _close(p.contract(*ops), ref)
+    # memory_limit and min_slices together through the hyper-search, with a limit that the
+    # network meets unsliced (cotengra's slicer then found no slicing and the search failed)
+    for limit in (None, "1MiB", p.largest_intermediate[1]):
+        q = tn.plan(expr, *ops, optimize="cotengra", memory_limit=limit, slicing={"min_slices": 3})
+        assert q.optimizer == "cotengra" and q.num_slices >= 3
+        _close(q.contract(*ops), ref)
     # explicit path, including a k-ary step that is split into pairs
     a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)
     _close(tn.contract("ab,bc,cd->ad", a, b, c, optimize=[(1, 2), (0, 1)]), a @ b @ c)

@@ -328,7 +328,10 @@ def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callab
         slicing = {"max_repeats": 4}
         if target is not None:
             slicing["target_size"] = target
-        if min_slices:
+        elif min_slices:
+            # not both: cotengra's slicer stops at the first target met but keeps only slicings
+            # that meet both, so a tree that fits the size unsliced had none and the search
+            # failed (KeyError 'tree'); the planner adds the slices min_slices asks for
             slicing["target_slices"] = int(min_slices)
         out.append(dict(base, slicing_opts=slicing, min_repeats=max(1, lo // len(targets)),
                         max_repeats=max(1, hi // len(targets))))
