@@ -2017,3 +2017,94 @@ def test_empty_path_cache_means_no_disk_cache(tmp_path, monkeypatch):
     expr = ",".join(f"{chr(97 + i)}{chr(98 + i)}" for i in range(12)) + "->"  # a chain worth a search
     tn.plan(expr, *ops, optimize="cotengra", path_cache="")
     assert list(tmp_path.iterdir()) == []  # it wrote torch_gradops-<hash>/ into the current directory
+
+
+# ---------------------------------------------------------------------------- optimizer options
+def test_disk_path_cache_keys_the_objectives_options(tmp_path):
+    """An on-disk cache entry written under one set of options (here: no forced slicing) served
+    a plan to another (slicing=["c"]): twice the slices of a fresh search. The key now holds what
+    shapes the search's objective: forced modes, min_slices, complex dtypes, max_overhead."""
+    expr = "ab,bc,cd,de,ea,ax,cy->xy"
+    shapes = [(4, 5), (5, 6), (6, 4), (4, 5), (5, 4), (4, 3), (6, 2)]
+    kw = dict(memory_limit=64, optimize="cotengra")
+    for other in (dict(slicing=["c"]), dict(slicing={"min_slices": 8}), dict(dtype=torch.complex128)):
+        tn.clear_plan_cache()
+        fresh = tn.plan(expr, *shapes, **kw, **other)
+        tn.clear_plan_cache()
+        tn.plan(expr, *shapes, path_cache=tmp_path, **kw)  # an entry for the default options
+        cached = tn.plan(expr, *shapes, path_cache=tmp_path, **kw, **other)
+        assert cached.searched, other
+        assert (cached.path, cached.sliced_modes, cached.num_slices) == \
+            (fresh.path, fresh.sliced_modes, fresh.num_slices), other
+    tn.clear_plan_cache()
+
+
+def test_paths_with_one_operand_steps_and_optimizer_objects():
+    """opt_einsum's "dp" emits one-operand steps (a mode summed within one operand), which
+    crashed the planner; explicit paths with them, and opt_einsum optimizer objects (the docs
+    accept "any opt_einsum optimizer"), work too."""
+    gen = torch.Generator().manual_seed(3)
+    a, b, c = _rand((3, 3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2, 6), gen=gen)
+    expr = "aab,bc,cde->d"
+    ref = torch.einsum(expr, a, b, c)
+    assert any(len(s) == 1 for s in opt_einsum.contract_path(expr, a, b, c, optimize="dp")[0])
+    for opt in ("dp", opt_einsum.paths.DynamicProgramming(), opt_einsum.paths.DynamicProgramming(minimize="size"),
+                [(0,), (2,), (0, 1), (0, 1)], [(1, 2), (0,), (0, 1)], [(0, 1, 2)]):
+        p = tn.plan(expr, a, b, c, optimize=opt)
+        assert all(len(s) == 2 for s in p.path), (opt, p.path)
+        _close(p.contract(a, b, c), ref)
+    assert tn.plan(expr, a, b, c, optimize=opt_einsum.paths.DynamicProgramming()).optimizer == "DynamicProgramming"
+    for bad in ([(0,), (0,)], [()], [(0, 0)], [(3,)]):
+        with pytest.raises(ValueError, match="optimize: explicit path"):
+            tn.plan(expr, a, b, c, optimize=bad)
+
+
+def test_cotengra_search_edge_cases():
+    import cotengra as ctg
+    D = torch.float64
+    # a mode of extent 0: every cotengra trial divided by zero and the search kept no tree
+    x, y = torch.randn(3, 0, dtype=D), torch.randn(0, 5, dtype=D)
+    for opt in ("cotengra", ctg.HyperOptimizer(max_repeats=2, progbar=False, parallel=False)):
+        _close(tn.contract("ab,bc->ac", x, y, optimize=opt), torch.zeros(3, 5, dtype=D))
+    # more min_slices than the network has: the planner's own message, not cotengra's KeyError
+    with pytest.raises(ValueError, match="cannot reach min_slices=8"):
+        tn.plan("ab,bc->", (2, 2), (2, 2), optimize="cotengra", slicing={"min_slices": 8})
+    # a cotengra optimizer object keeps its tree: reused for another network it returned that tree
+    opt = ctg.HyperOptimizer(max_repeats=2, progbar=False, parallel=False)
+    tn.plan("ab,bc,cd->ad", (2, 3), (3, 4), (4, 5), optimize=opt)
+    with pytest.raises(ValueError, match="tree of another network"):
+        tn.plan("ab,bc,cd,de->ae", (2, 3), (3, 4), (4, 5), (5, 6), optimize=opt)
+
+
+def test_auto_search_budget_counts_the_sliced_cost():
+    """Under a memory limit "auto" sized its search by the greedy path's unsliced cost and,
+    finding it cheap, kept the greedy path: sliced to 64 B it needed 72x the slices and 26x the
+    FLOPs of what a search finds in milliseconds."""
+    import cotengra as ctg
+    inputs, _, _, sizes = ctg.utils.lattice_equation([3, 4], d_min=2, d_max=3, seed=0)
+    expr = ",".join("".join(t) for t in inputs) + "->"
+    shapes = [tuple(sizes[c] for c in t) for t in inputs]
+    auto = tn.plan(expr, *shapes, dtype=torch.float64, memory_limit=64)
+    searched = tn.plan(expr, *shapes, dtype=torch.float64, memory_limit=64, optimize="cotengra")
+    greedy = tn.plan(expr, *shapes, dtype=torch.float64, memory_limit=64, optimize="greedy")
+    assert auto.optimizer == "cotengra" and auto.flops <= 2 * searched.flops < greedy.flops / 4
+    ops = [torch.randn(s, dtype=torch.float64) for s in shapes]
+    _close(auto.contract(*ops), torch.einsum(expr, *ops))
+
+
+def test_bad_option_values_name_the_option():
+    a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    for limit in ("1e400", 10 ** 400, 2 ** 63, "10000000TB"):
+        with pytest.raises(ValueError, match="memory_limit"):
+            tn.plan("ab,bc->ac", a, b, memory_limit=limit)
+    with pytest.raises(TypeError, match="slicing: 'modes'"):
+        tn.plan("ab,bc->ac", a, b, slicing={"modes": None})
+    with pytest.raises(TypeError, match="slicing: mode \\['b'\\]"):
+        tn.plan("ab,bc->ac", a, b, slicing=[["b"]])
+    with pytest.raises(TypeError, match="output mode label"):
+        tn.contract(a, [0, 1], b, [1, 2], [[0], 2])
+    for bad in (True, 0, 2.0, "4"):
+        with pytest.raises(ValueError, match="min_slices must be a positive int"):
+            tn.plan("ab,bc->ac", a, b, slicing={"min_slices": bad})
+    import numpy as np
+    assert tn.plan("ab,bc->ac", a, b, slicing={"min_slices": np.int64(4)}).num_slices >= 4

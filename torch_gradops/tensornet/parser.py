@@ -134,6 +134,9 @@ def split_interleaved(args):
             raise TypeError("interleaved form: the last argument must be the list of output modes, got "
                             f"{type(args[-1]).__name__}")
         output = list(args[-1])
+        for lab in output:
+            if lab is not Ellipsis and not is_hashable(lab):
+                raise TypeError(f"interleaved form: output mode label {lab!r} is not hashable")
     if not operands:
         raise ValueError("contract needs at least one operand")
     return operands, terms, output

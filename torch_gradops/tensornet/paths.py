@@ -51,7 +51,7 @@ __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 3   # bump when the search or its scoring changes: old cached paths are ignored
+_CACHE_VERSION = 4   # bump when the search or its scoring changes: old cached paths are ignored
 
 
 @dataclass(frozen=True)
@@ -95,15 +95,16 @@ def _trials_worth(n_operands: int, flops: float) -> int:
     return int(budget_s / (TRIAL_S_PER_OPERAND * n_operands))
 
 
-def search_budget(n_operands: int, flops: float) -> dict:
+def search_budget(n_operands: int, flops: float, sliced_flops: Optional[float] = None) -> dict:
     """The hyper-search's budget for a network of ``n_operands`` tensors whose greedy path
     costs ``flops`` (forward, real FLOPs; opt_einsum's greedy path, an upper bound of what the
-    search finds): ``min_repeats`` trials (at most :data:`MIN_TRIALS`, fewer when even that path
+    search finds), or, sliced to a limit, ``sliced_flops`` (forward + backward, recomputation
+    included) where that is more: ``min_repeats`` trials (at most :data:`MIN_TRIALS`, fewer when even that path
     is worth less search; below 2 no search) and at most ``max_repeats`` (32; 16 beyond 64
     operands, 4 beyond 256). Between the two, :func:`wants_more` decides from the best plan
     found so far. Depends only on the network: deterministic."""
     cap = _max_trials(n_operands)
-    worth = _trials_worth(n_operands, 3 * flops)
+    worth = _trials_worth(n_operands, max(3 * flops, sliced_flops or 0.0))
     return {"min_repeats": max(0, min(cap, MIN_TRIALS, worth)), "max_repeats": cap}
 
 
@@ -251,7 +252,18 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
         else:
             opt = BudgetedHyperOptimizer(**optimizer) if isinstance(optimizer, dict) else optimizer
             searched = True
-        tree = _seeded(lambda: opt.search(c_in, c_out, c_sizes))
+        try:
+            tree = _seeded(lambda: opt.search(c_in, c_out, c_sizes))
+        except KeyError as e:  # cotengra kept no tree: every trial failed (it warned why)
+            if score is None:  # the caller's own optimizer object
+                raise ValueError(f"optimize: the cotengra optimizer found no contraction tree ({e!r}); see "
+                                 "cotengra's trial warnings") from None
+            greedy = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+            tree = cotengra.ContractionTree.from_path(c_in, c_out, c_sizes, path=check_path(greedy, len(inputs)))
+        if [tuple(t) for t in tree.inputs] != [tuple(t) for t in c_in] or tuple(tree.output) != tuple(c_out):
+            # a cotengra optimizer object keeps its best tree: reused, it returns the first network's
+            raise ValueError("optimize: the cotengra optimizer returned a tree of another network (an optimizer "
+                             "object that already searched keeps its tree); pass a new one for each network")
         value = score(tree) if score is not None and (len(optimizers) > 1 or candidates) else 0.0
         if best is None or value < best[0]:
             best = (value, tree)
@@ -338,21 +350,33 @@ def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callab
     return out
 
 
+def _empty_network_path(inputs, output, sizes) -> PathResult:
+    """opt_einsum's greedy path for a network with a mode of extent 0: every path costs nothing
+    and the result is zeros (cotengra's trials divide by the sizes and all fail)."""
+    t0 = time.perf_counter()
+    path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+    return PathResult(check_path(path, len(inputs)), None, "greedy", True, time.perf_counter() - t0)
+
+
 def _greedy_flops(inputs, output, sizes, path) -> float:
     from .slicer import step_costs, step_table
     return 2.0 * step_costs(step_table(inputs, output, path), sizes, ()).flops()
 
 
 def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_slices: Optional[int],
-              objective: Optional[Callable] = None, path_cache=None, select: Optional[Callable] = None) -> PathResult:
+              objective: Optional[Callable] = None, path_cache=None, select: Optional[Callable] = None,
+              path_work: Optional[Callable] = None, cache_key=()) -> PathResult:
     """The path for the network ``inputs -> output`` (mode ids, extents ``sizes``).
 
     ``optimize``: "auto" (see the module docstring), "greedy" (opt_einsum's, fast), "optimal",
     any opt_einsum path-optimizer name, "cotengra" (the "auto" hyper-search at any size), a
     cotengra optimizer object, or an explicit path. ``objective``: ``tree -> work`` for
     :class:`PlanObjective`; ``select``: ``tree -> work``, exact (after any further slicing),
-    to choose between the searches' best trees; ``path_cache``: the on-disk cache's directory
-    (None: ``$TORCH_GRADOPS_PATH_CACHE`` or no disk cache)."""
+    to choose between the searches' best trees; ``path_work``: ``path -> work`` (multiply-adds
+    of the forward + backward, sliced to the limit), which sizes "auto"'s search budget under a
+    limit or ``min_slices`` (a greedy path cheap unsliced can be costly sliced); ``path_cache``:
+    the on-disk cache's directory (None: ``$TORCH_GRADOPS_PATH_CACHE`` or no disk cache), its
+    entries keyed by the search options and ``cache_key`` (what else shapes the objective)."""
     n = len(inputs)
     if n == 1:
         return PathResult([], None, "single", False)
@@ -364,12 +388,20 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             t0 = time.perf_counter()
             greedy = [tuple(p) for p in opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output),
                                                                dict(sizes))]
-            budget = search_budget(n, _greedy_flops(inputs, output, sizes, greedy))
+            sliced = None
+            if path_work is not None and (limit_elems is not None or min_slices):
+                try:
+                    sliced = 2.0 * path_work(greedy)
+                except ValueError:  # too many slices to plan: the search decides
+                    sliced = math.inf
+            budget = search_budget(n, _greedy_flops(inputs, output, sizes, greedy), sliced)
             if budget["min_repeats"] < 2:
                 return PathResult(greedy, None, "greedy", True, time.perf_counter() - t0)
             name = "cotengra"
         elif name == "auto":
             name = "auto"
+        if name == "cotengra" and 0 in sizes.values():
+            return _empty_network_path(inputs, output, sizes)
         if name == "cotengra":
             if budget is None:  # asked for by name: the full search
                 budget = {"min_repeats": _max_trials(n), "max_repeats": _max_trials(n)}
@@ -379,7 +411,7 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
                 return isinstance(obj, PlanObjective) and bool(obj.top) and wants_more(n, trials, obj.top[0][0])
             opts = hyper_options(budget, limit_elems, min_slices, obj, more)
             key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k not in ("minimize", "more")))
-                        for o in opts)
+                        for o in opts) + (repr(cache_key),)
             return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
                                     score=select, candidates=obj.top if isinstance(obj, PlanObjective) else (),
                                     polish=lambda work, trees: worth_polishing(n, work, trees))
@@ -390,33 +422,51 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
                              f"path-optimizer name or an explicit path, got {optimize!r}") from None
         t0 = time.perf_counter()
         path = fn([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
-        return PathResult([tuple(p) for p in path], None, optimize, True, time.perf_counter() - t0)
+        return PathResult(check_path(path, n), None, optimize, True, time.perf_counter() - t0)
     if hasattr(optimize, "search"):  # a cotengra optimizer object
+        if 0 in sizes.values():
+            return _empty_network_path(inputs, output, sizes)
         return _cotengra_search(optimize, inputs, output, sizes)
+    if isinstance(optimize, opt_einsum.paths.PathOptimizer):  # an opt_einsum optimizer object (cotengra's are too: first)
+        t0 = time.perf_counter()
+        path = optimize([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
+        return PathResult(check_path(path, n), None, type(optimize).__name__, True, time.perf_counter() - t0)
     if isinstance(optimize, (list, tuple)):
         return PathResult(check_path(optimize, n), None, "explicit", False)
     raise ValueError(f"optimize must be 'auto', 'greedy', 'optimal', 'cotengra' or an explicit path, got {optimize!r}")
 
 
 def check_path(path, n) -> List[Tuple[int, int]]:
-    """Validate an explicit path (opt_einsum linear format) and split k-ary steps into pairs."""
-    out = []
-    count = n
+    """Validate a path (opt_einsum linear format) and return it as pairs: k-ary steps split into
+    pairs, one-operand steps dropped (opt_einsum's "dp" emits them to sum a mode within one
+    operand; moving that operand last changes no contraction, and the executor sums such modes
+    in the step that reads the operand)."""
+    live, ssa = list(range(n)), []
     for step in path:
         if not isinstance(step, (list, tuple)) or not all(isinstance(p, int) and not isinstance(p, bool) for p in step):
             raise ValueError(f"optimize: explicit path step {step!r} is not a tuple of operand positions")
-        if len(step) < 2 or len(set(step)) != len(step) or any(not 0 <= p < count for p in step):
-            raise ValueError(f"optimize: explicit path step {tuple(step)} is invalid with {count} operands left "
-                             "(each step names 2 or more distinct positions)")
-        s = sorted(step)
-        out.append((s[0], s[1]))
-        count -= 1
-        # the running result sits last; each further position moved left by the j removed before it
-        for j in range(2, len(s)):
-            out.append((s[j] - j, count - 1))
-            count -= 1
-    if count != 1:
-        raise ValueError(f"optimize: explicit path leaves {count} operands; it must contract all {n} into one")
+        if not step or len(set(step)) != len(step) or any(not 0 <= p < len(live) for p in step):
+            raise ValueError(f"optimize: explicit path step {tuple(step)} is invalid with {len(live)} operands "
+                             "left (each step names distinct positions)")
+        ids = [live[p] for p in sorted(step)]
+        for p in sorted(step, reverse=True):
+            live.pop(p)
+        cur = ids[0]
+        for other in ids[1:]:  # the running result with each further operand, in position order
+            ssa.append((cur, other))
+            cur = n + len(ssa) - 1
+        live.append(cur)
+    if len(live) != 1:
+        raise ValueError(f"optimize: explicit path leaves {len(live)} operands; it must contract all {n} into one")
+    # SSA ids -> linear positions: operands and results are listed in order of creation, so an
+    # id's position is the number of live ids below it
+    out, alive = [], list(range(n))
+    for a, b in ssa:
+        i, j = alive.index(a), alive.index(b)
+        out.append((min(i, j), max(i, j)))
+        alive.remove(a)
+        alive.remove(b)
+        alive.append(n + len(out) - 1)
     return out
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -291,9 +292,17 @@ def _forced_modes(slicing, network: parser.Network):
         if bad:
             raise ValueError(f"slicing: unknown keys {sorted(bad)}; use 'modes' and/or 'min_slices'")
         min_slices = slicing.get("min_slices")
-        if min_slices is not None and (not isinstance(min_slices, int) or min_slices < 1):
-            raise ValueError(f"slicing: min_slices must be a positive int, got {min_slices!r}")
+        if min_slices is not None:
+            try:  # ints and numpy integers; not bools
+                min_slices = None if isinstance(min_slices, bool) else operator.index(min_slices)
+            except TypeError:
+                min_slices = None
+            if min_slices is None or min_slices < 1:
+                raise ValueError(f"slicing: min_slices must be a positive int, got {slicing['min_slices']!r}")
         mode_list = slicing.get("modes", [])
+        if not isinstance(mode_list, (list, tuple, str)):
+            raise TypeError(f"slicing: 'modes' must be a list of modes, got {type(mode_list).__name__}")
+        mode_list = list(mode_list)
     elif isinstance(slicing, (list, tuple, str)):
         mode_list = list(slicing)
     else:
@@ -304,6 +313,8 @@ def _forced_modes(slicing, network: parser.Network):
             counts[m] = counts.get(m, 0) + 1
     forced: List[int] = []
     for lab in mode_list:
+        if not parser.is_hashable(lab):
+            raise TypeError(f"slicing: mode {lab!r} is not a mode label (labels are hashable)")
         if lab not in network.ids:
             raise ValueError(f"slicing: mode {lab!r} is not a mode of the expression")
         m = network.ids[lab]
@@ -509,8 +520,11 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
         path = [tuple(p) for p in tree.get_path()]
         return slicing_.finalize(path, [sym_back[s] for s in tree.sliced_inds], itemsize)[-1]
 
+    # the disk cache's key: what shapes the objective besides the search options
+    cache_key = (tuple(forced), min_slices, dtype.is_complex, max_overhead, reserve)
     found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
-                            objective=score_tree, path_cache=path_cache, select=select_tree)
+                            objective=score_tree, path_cache=path_cache, select=select_tree,
+                            path_work=slicing_.work, cache_key=cache_key)
     path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
     unsplit = network  # for the error below (the split network renumbers modes)
     network, sliced, checkpoints, copies = _split_plan_network(network, path, sliced, splits, slicing_.cap,

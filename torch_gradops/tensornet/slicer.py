@@ -61,9 +61,13 @@ def parse_memory_limit(limit, device: Union[str, torch.device, None] = None) -> 
     if isinstance(limit, bool):
         raise TypeError(f"memory_limit must be bytes (int) or a string like '2GiB' or '50%', got {limit!r}")
     if isinstance(limit, numbers.Real):  # int, float, numpy scalars
-        if not (math.isfinite(limit) and limit > 0):
+        try:
+            finite = math.isfinite(limit)
+        except OverflowError:  # an int past a float's range
+            raise ValueError("memory_limit is 2^63 bytes or more; pass None for no limit") from None
+        if not (finite and limit > 0):
             raise ValueError(f"memory_limit must be a positive, finite number of bytes, got {limit!r}")
-        return int(limit)
+        return _within_int64(int(limit), limit)
     if not isinstance(limit, str):
         raise TypeError(f"memory_limit must be bytes (int) or a string like '2GiB' or '50%', got "
                         f"{type(limit).__name__}")
@@ -77,9 +81,15 @@ def parse_memory_limit(limit, device: Union[str, torch.device, None] = None) -> 
         if not 0 < value <= 100:
             raise ValueError(f"memory_limit percentage must be in (0, 100], got {limit!r}")
         return int(_device_memory(torch.device(device or "cpu")) * value / 100)
-    if value <= 0:
-        raise ValueError(f"memory_limit must be positive, got {limit!r}")
-    return int(value * _UNITS[unit])
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"memory_limit must be positive and finite, got {limit!r}")
+    return _within_int64(int(value * _UNITS[unit]), limit)
+
+
+def _within_int64(nbytes: int, limit) -> int:
+    if nbytes >= 1 << 63:
+        raise ValueError(f"memory_limit {limit!r} is 2^63 bytes or more; pass None for no limit")
+    return nbytes
 
 
 # ---------------------------------------------------------------------------- steps
