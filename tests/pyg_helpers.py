@@ -1,6 +1,7 @@
 """Helpers for the tests of our PyG layers against PyG's: layer pairs with shared weights, graphs
 with self-loops and duplicates, one routine that compares outputs, attention and gradients, and
 one that checks a layer sums without atomics."""
+import pytest
 import torch
 
 ATOL = RTOL = 1e-5
@@ -130,3 +131,75 @@ def check_inference_tensor_graph_edits(pyg_cls, our_cls):
         ea.mul_(3)
         close(ours(x, ei, ea), theirs(x, ei, ea), msg="after editing the graph in place")
     close(ours(x, ei, ea), theirs(x, ei, ea), msg="inference tensors outside inference mode")
+
+
+def check_explainer_masks_and_hooks(pyg_cls, our_cls, model_kw):
+    """``torch_geometric.explain``'s edge masks and MessagePassing's hooks act inside
+    ``propagate``, which the fused kernel does not run: with either present the layer runs PyG's
+    forward (masked outputs and hook calls as PyG's; GNNExplainer on the model works), and
+    without them the fused kernel again."""
+    from torch_geometric.explain import Explainer, GNNExplainer
+    from torch_geometric.explain.algorithm.utils import clear_masks, set_masks
+    from torch_gradops.nn import GAT
+    import torch_gradops.nn.gat_conv as fused_gat
+    import torch_gradops.nn.gatv2_conv as fused_gatv2
+    theirs, ours = make_pair(pyg_cls, our_cls, 4, 3, heads=2)
+    x, ei = torch.randn(5, 4), torch.tensor([[0, 1, 2, 3, 4], [1, 2, 3, 4, 0]])
+    mask = torch.tensor([-1e9, 0.5, 2.0, -3.0, 1e9])
+    for layer in (theirs, ours):
+        set_masks(layer, mask, ei, apply_sigmoid=True)
+    masked = ours(x, ei)
+    close(masked, theirs(x, ei), msg="with an explainer's edge mask")
+    for layer in (theirs, ours):
+        clear_masks(layer)
+    calls = {id(theirs): 0, id(ours): 0}
+    handles = [layer.register_message_forward_hook(lambda m, *a: calls.__setitem__(id(m), calls[id(m)] + 1))
+               for layer in (theirs, ours)]
+    close(ours(x, ei), theirs(x, ei), msg="with a message hook")
+    assert calls[id(ours)] == calls[id(theirs)] == 1
+    for h in handles:
+        h.remove()
+    # no mask, no hook: the fused kernel runs again
+    fused = {"n": 0}
+    module = fused_gat if our_cls.__name__ == "GATConv" else fused_gatv2
+    op_name = "gat_attention" if our_cls.__name__ == "GATConv" else "_gatv2_attention_csc"
+    op = getattr(module, op_name)
+
+    def counting(*a, **k):
+        fused["n"] += 1
+        return op(*a, **k)
+    setattr(module, op_name, counting)
+    try:
+        unmasked = ours(x, ei)
+        close(unmasked, theirs(x, ei), msg="masks and hooks removed")
+    finally:
+        setattr(module, op_name, op)
+    assert fused["n"] == 1 and not torch.allclose(masked, unmasked)
+    torch.manual_seed(0)
+    model = GAT(4, 8, num_layers=2, out_channels=3, **model_kw).eval()
+    explainer = Explainer(model=model, algorithm=GNNExplainer(epochs=3), explanation_type="model",
+                          edge_mask_type="object",
+                          model_config=dict(mode="multiclass_classification", task_level="node", return_type="raw"))
+    explanation = explainer(x, ei, index=3)
+    assert explanation.edge_mask.shape == (ei.size(1),) and explanation.edge_mask.abs().sum() > 0
+
+
+def check_uncoalesced_coo_adjacency(pyg_cls, our_cls):
+    """An uncoalesced ``torch.sparse`` COO ``adj_t`` means its coalesced graph (duplicates
+    merged), as PyG's layers read it with self-loops (without, they refuse it), and the
+    caller's tensor is left as it was: PyG's ``to_edge_index`` marked it coalesced without
+    coalescing it, so a later ``coalesce()`` kept its duplicates. With ``edge_attr`` (whose
+    rows such a tensor cannot order) it is refused."""
+    theirs, ours = make_pair(pyg_cls, our_cls, 3, 2, heads=2)
+    x = torch.randn(4, 3)
+    idx = torch.tensor([[2, 1, 1, 3], [0, 2, 2, 1]])  # rows = destinations; unsorted, one duplicate
+    for loops in (False, True):
+        theirs.add_self_loops = ours.add_self_loops = loops
+        adj_t = torch.sparse_coo_tensor(idx, torch.ones(4), (4, 4))
+        close(ours(x, adj_t), theirs(x, adj_t.coalesce().indices().flip(0)), msg=f"add_self_loops={loops}")
+        assert not adj_t.is_coalesced() and adj_t.coalesce()._nnz() == 3
+        if loops:  # PyG's layer takes it with self-loops
+            close(ours(x, adj_t), theirs(x, adj_t.clone()))
+    _, with_edges = make_pair(pyg_cls, our_cls, 3, 2, heads=2, edge_dim=2)
+    with pytest.raises(ValueError, match="uncoalesced"):
+        with_edges(x, torch.sparse_coo_tensor(idx, torch.ones(4), (4, 4)), torch.randn(4, 2))

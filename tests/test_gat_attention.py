@@ -670,6 +670,13 @@ def test_opcheck():
         torch.library.opcheck(ops.gat_backward.default,
                               (go, None, out, lse, x, a_src, a_dst, el, graph.indptr, graph.indices,
                                rev.indptr, rev.edge, rev.dst, mask, 0.2, 1.5, mask_out))
+    # non-contiguous inputs (transposed views): the kernels return contiguous gradients, and so
+    # must the fake kernel (Inductor checks the strides)
+    x_t, a_src_t = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (x, a_src))
+    assert not x_t.is_contiguous() and not a_src_t.is_contiguous()
+    torch.library.opcheck(ops.gat_backward.default,
+                          (go, None, out, lse, x_t, a_src_t, a_dst, el, graph.indptr, graph.indices,
+                           rev.indptr, rev.edge, rev.dst, mask, 0.2, 1.5, [True, True, True, True]))
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -18,7 +18,9 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
-from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_inference_tensor_graph_edits, close,
+from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
+                         check_uncoalesced_coo_adjacency,
+                         check_inference_tensor_graph_edits, close,
                          make_pair, random_graph, run_both)  # noqa: E402,F401
 
 cuda = pytest.mark.cuda
@@ -742,3 +744,11 @@ def test_edge_attr_forms_match_pyg():
 
 def test_inference_tensor_graph_edits_are_seen():
     check_inference_tensor_graph_edits(PyGGATConv, GATConv)
+
+
+def test_explainer_masks_and_message_passing_hooks_match_pyg():
+    check_explainer_masks_and_hooks(PyGGATConv, GATConv, {})
+
+
+def test_uncoalesced_coo_adjacency_is_left_untouched():
+    check_uncoalesced_coo_adjacency(PyGGATConv, GATConv)

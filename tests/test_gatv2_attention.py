@@ -615,7 +615,13 @@ def test_opcheck():
     ]:
         torch.library.opcheck(ops.gatv2_forward.default, args)
     rev = graph.reverse_index()
-    for ea_, w_ in ((ea, w), (ea3, None), (None, None)):
+    # non-contiguous inputs (the layer's lin_edge weight as edge_weight is a transposed view):
+    # the kernels return contiguous gradients, and so must the fake kernel (Inductor checks)
+    w_t = w.reshape(-1, w.size(1) * w.size(2)).t().contiguous().t().reshape(w.shape)
+    assert not w_t.is_contiguous()
+    x_t = x.transpose(0, 1).contiguous().transpose(0, 1)
+    for ea_, w_, x_ in ((ea, w, x), (ea3, None, x), (None, None, x), (ea, w_t, x_t)):
+        x = x_
         out, lse, alpha = ops.gatv2_forward(x, xd, att, ea_, w_, p, i, mask, 0.2, 1.5, True)
         go = torch.randn_like(out)
         for mask_out, ga in (([True] * 5, torch.randn_like(alpha)), ([True, False, False, False, False], None),

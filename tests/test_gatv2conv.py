@@ -14,7 +14,9 @@ from torch_geometric.typing import WITH_TORCH_SPARSE  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
 from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
-from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_inference_tensor_graph_edits, close,
+from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
+                         check_uncoalesced_coo_adjacency,
+                         check_inference_tensor_graph_edits, close,
                          make_pair, random_graph, run_both)  # noqa: E402
 
 
@@ -254,17 +256,24 @@ def test_gat_model_v2_uses_ours():
     close(ours(x, ei, edge_attr=ea), theirs(x, ei, edge_attr=ea))
 
 
-def test_compiled_layer_matches_eager():
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compiled_layer_matches_eager(backend):
+    """Inductor checks the fake kernels' output strides against the real ones: lin_edge's weight
+    reaches the op as a transposed view, and the fake backward returned its strides."""
     _, ours = pair(16, 8, heads=4, edge_dim=2)
     x, ei, ea = torch.randn(30, 16), random_graph(30, 30, 150), torch.randn(150, 2)
     eager = ours(x, ei, ea)
     torch._dynamo.reset()
-    compiled = torch.compile(ours, fullgraph=True, backend="aot_eager")
+    compiled = torch.compile(ours, fullgraph=True, backend=backend)
     close(compiled(x, ei, ea), eager)
-    xg = x.clone().requires_grad_()
-    g1, = torch.autograd.grad(compiled(xg, ei, ea).sum(), xg)
-    g2, = torch.autograd.grad(ours(xg, ei, ea).sum(), xg)
-    close(g1, g2)
+    grads = []
+    for fn in (compiled, ours):  # every parameter's gradient too
+        xg = x.clone().requires_grad_()
+        ours.zero_grad()
+        fn(xg, ei, ea).sum().backward()
+        grads.append([xg.grad] + [p.grad.clone() for p in ours.parameters()])
+    for g1, g2 in zip(*grads):
+        close(g1, g2)
 
 
 def test_bad_inputs_raise_clear_errors():
@@ -284,3 +293,11 @@ def test_edge_attr_forms_match_pyg():
 
 def test_inference_tensor_graph_edits_are_seen():
     check_inference_tensor_graph_edits(PyGGATv2Conv, GATv2Conv)
+
+
+def test_explainer_masks_and_message_passing_hooks_match_pyg():
+    check_explainer_masks_and_hooks(PyGGATv2Conv, GATv2Conv, {"v2": True})
+
+
+def test_uncoalesced_coo_adjacency_is_left_untouched():
+    check_uncoalesced_coo_adjacency(PyGGATv2Conv, GATv2Conv)

@@ -56,7 +56,8 @@ def _gat_backward_fake(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge
                        indices, rev_indptr, rev_edge, rev_dst, dropout_mask, negative_slope,
                        dropout_scale, output_mask):
     def maybe(flag, like):
-        return torch.empty_like(like) if flag else like.new_empty((0,))
+        # contiguous whatever the input's strides, as the kernels return them
+        return like.new_empty(like.shape) if flag else like.new_empty((0,))
     # as the kernels: no edge_logits, no gradient for them (an empty tensor) whatever the mask
     grad_el = (x_src.new_empty((indices.size(0), x_src.size(1))) if output_mask[3] and edge_logits is not None
                else x_src.new_empty((0,)))

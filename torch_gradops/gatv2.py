@@ -58,7 +58,8 @@ def _gatv2_backward_fake(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge
                          indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, negative_slope,
                          dropout_scale, output_mask):
     def maybe(flag, like):
-        return torch.empty_like(like) if flag and like is not None else x_src.new_empty((0,))
+        # contiguous whatever the input's strides, as the kernels return them
+        return like.new_empty(like.shape) if flag and like is not None else x_src.new_empty((0,))
     return (maybe(output_mask[0], x_src), maybe(output_mask[1], x_dst), maybe(output_mask[2], att),
             maybe(output_mask[3], edge_attr),
             maybe(output_mask[4] and edge_weight is not None, edge_weight))

@@ -27,7 +27,7 @@ from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
            "num_edges", "edge_attr_2d", "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE",
-           "attention_result"]
+           "attention_result", "needs_message_passing"]
 
 try:  # PyG >= 2.5
     from torch_geometric import EdgeIndex
@@ -79,6 +79,12 @@ def edge_list(edge_index) -> Tuple[Tensor, Tensor, Optional[bool]]:
         row, col, _ = edge_index.coo()
         return col, row, True
     if is_torch_sparse_tensor(edge_index):
+        if _uncoalesced(edge_index):
+            # a coalesced copy, duplicates merged: the graph PyG's layers use (with self-loops;
+            # without, they refuse it); its to_edge_index would mark the caller's tensor
+            # coalesced without coalescing it
+            row, col = edge_index.coalesce().indices()
+            return col, row, True
         (row, col), _ = to_edge_index(edge_index)
         return col, row, True if edge_index.layout == torch.sparse_csr else None
     if is_edge_index(edge_index):
@@ -176,6 +182,10 @@ def num_edges(edge_index) -> int:
     return edge_index.size(1)
 
 
+def _uncoalesced(adj) -> bool:
+    return adj.layout == torch.sparse_coo and not adj.is_coalesced()
+
+
 def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
     """``edge_attr`` as PyG's attention layers read it, ``[E, edge_dim]``: ``[E]`` is one feature
     per edge, and the leading dims of ``[..., edge_dim]`` hold the ``E`` rows (PyG's ``lin_edge``
@@ -183,6 +193,10 @@ def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
     concatenation with the loops' features promotes them). ``E`` must be ``edge_index``'s
     number of edges. An inference tensor used with autograd on is copied to a normal one (which
     autograd can save, as PyG's concatenation makes one)."""
+    if is_torch_sparse_tensor(edge_index) and _uncoalesced(edge_index):
+        raise ValueError("edge_attr with an uncoalesced torch.sparse COO adjacency: its entries have no "
+                         "edge order to match edge_attr's rows (PyG's layers merge or refuse them); "
+                         "coalesce() it first")
     ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr.reshape(-1, edge_attr.size(-1))
     expected = num_edges(edge_index)
     if ea.size(0) != expected:
@@ -298,3 +312,19 @@ def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):
             edge_index, _ = remove_self_loops(edge_index)
         edge_index, _ = add_self_loops(edge_index, num_nodes=num_loops)
     return edge_index, alpha
+
+
+# MessagePassing's own hooks, which run inside propagate()
+_MESSAGE_PASSING_HOOKS = tuple(f"_{stage}_forward{kind}_hooks" for stage in
+                               ("propagate", "message", "aggregate", "message_and_aggregate", "edge_update")
+                               for kind in ("_pre", ""))
+
+
+def needs_message_passing(layer) -> bool:
+    """Whether ``layer`` must run PyG's own ``propagate``: an explainer's edge mask is installed
+    (``layer.explain``, what ``torch_geometric.explain`` sets) or a MessagePassing hook is
+    registered (``register_message_forward_hook``, ...). The fused kernel has neither a
+    per-edge message to mask nor one to show a hook, so the layers then run PyG's forward."""
+    if getattr(layer, "explain", False):
+        return True
+    return any(len(getattr(layer, name, ())) for name in _MESSAGE_PASSING_HOOKS)

@@ -10,7 +10,8 @@ from torch_geometric.nn.conv import GATConv as PyGGATConv
 
 from ..gat import gat_attention
 from ..graph import BipartiteCSC, _append_zero_row
-from .adjacency import attention_result, csc_graph, edge_attr_2d, loop_edge_attr, propagate_sizes
+from .adjacency import (attention_result, csc_graph, edge_attr_2d, loop_edge_attr, needs_message_passing,
+                        propagate_sizes)
 
 __all__ = ["GATConv"]
 
@@ -46,6 +47,12 @@ class GATConv(PyGGATConv):
     across layers (:mod:`torch_gradops.nn.adjacency`).
     """
 
+    def _set_jittable_templates(self, raise_on_error: bool = False) -> None:
+        # PyG specialises propagate() and edge_updater() to the calls that forward's source
+        # makes; this forward makes none (the fused kernel), and the specialised ones took no
+        # arguments. The generic ones stay, for PyG's forward (explainers, MessagePassing hooks).
+        return
+
     def forward(
         self,
         x: Union[Tensor, Tuple[Tensor, Optional[Tensor]]],
@@ -54,6 +61,8 @@ class GATConv(PyGGATConv):
         size: Optional[Tuple[int, int]] = None,
         return_attention_weights: Optional[bool] = None,
     ):
+        if needs_message_passing(self):  # explainer masks, MessagePassing hooks: PyG's propagate
+            return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
         x_in_src, x_in_dst, res = self._inputs(x)
         x_src = self._project(x_in_src, x_in_dst)
         alpha_src, alpha_dst = self._node_logits(x_src, x_in_src, x_in_dst)

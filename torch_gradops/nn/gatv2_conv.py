@@ -10,7 +10,7 @@ from torch_geometric.nn.conv import GATv2Conv as PyGGATv2Conv
 
 from ..gatv2 import _check_inputs, _gatv2_attention_csc
 from ..graph import BipartiteCSC, _append_zero_row
-from .adjacency import attention_result, csc_edge_features, csc_graph, propagate_sizes
+from .adjacency import attention_result, csc_edge_features, csc_graph, needs_message_passing, propagate_sizes
 
 __all__ = ["GATv2Conv"]
 
@@ -39,6 +39,12 @@ class GATv2Conv(PyGGATv2Conv):
           :func:`torch_gradops.nn.adjacency.attention_result`).
     """
 
+    def _set_jittable_templates(self, raise_on_error: bool = False) -> None:
+        # PyG specialises propagate() and edge_updater() to the calls that forward's source
+        # makes; this forward makes none (the fused kernel), and the specialised ones took no
+        # arguments. The generic ones stay, for PyG's forward (explainers, MessagePassing hooks).
+        return
+
     def forward(
         self,
         x: Union[Tensor, Tuple[Tensor, Tensor]],
@@ -46,6 +52,8 @@ class GATv2Conv(PyGGATv2Conv):
         edge_attr: Optional[Tensor] = None,
         return_attention_weights: Optional[bool] = None,
     ):
+        if needs_message_passing(self):  # explainer masks, MessagePassing hooks: PyG's propagate
+            return super().forward(x, edge_index, edge_attr, return_attention_weights)
         x_l, x_r, res = self._project(x)
         num_dst, num_loops = propagate_sizes(edge_index, x_l.size(0), x_r.size(0), None, self.add_self_loops,
                                              self.edge_dim)
