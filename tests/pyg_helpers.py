@@ -203,3 +203,24 @@ def check_uncoalesced_coo_adjacency(pyg_cls, our_cls):
     _, with_edges = make_pair(pyg_cls, our_cls, 3, 2, heads=2, edge_dim=2)
     with pytest.raises(ValueError, match="uncoalesced"):
         with_edges(x, torch.sparse_coo_tensor(idx, torch.ones(4), (4, 4)), torch.randn(4, 2))
+
+
+def check_inference_pass_then_training(pyg_cls, our_cls):
+    """A validation pass under ``torch.inference_mode()`` before training: the graph conversion
+    and its lazily built indices (reverse index, inverse permutation) it caches must be normal
+    tensors, which the later training call's backward can save (it failed: "Inference tensors
+    cannot be saved for backward"), as PyG's layers train after such a pass."""
+    theirs, ours = make_pair(pyg_cls, our_cls, 6, 4, heads=2)
+    x, ei = torch.randn(10, 6), torch.randint(0, 10, (2, 30))
+    for layer in (theirs, ours):
+        with torch.inference_mode():
+            layer.eval()
+            layer(x, ei)
+            layer(x, ei, return_attention_weights=True)  # builds the inverse permutation
+        layer.train()
+    xs = [x.clone().requires_grad_() for _ in range(2)]
+    outs = [layer(xi, ei, return_attention_weights=True) for layer, xi in zip((theirs, ours), xs)]
+    for (out, (_, alpha)) in outs:
+        (out.sum() + alpha.sum()).backward()
+    close(outs[1][0], outs[0][0])
+    close(xs[1].grad, xs[0].grad)

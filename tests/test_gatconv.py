@@ -19,6 +19,7 @@ import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
+                         check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency,
                          check_inference_tensor_graph_edits, close,
                          make_pair, random_graph, run_both)  # noqa: E402,F401
@@ -752,3 +753,7 @@ def test_explainer_masks_and_message_passing_hooks_match_pyg():
 
 def test_uncoalesced_coo_adjacency_is_left_untouched():
     check_uncoalesced_coo_adjacency(PyGGATConv, GATConv)
+
+
+def test_inference_pass_then_training():
+    check_inference_pass_then_training(PyGGATConv, GATConv)

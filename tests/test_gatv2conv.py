@@ -15,6 +15,7 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 
 from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
+                         check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency,
                          check_inference_tensor_graph_edits, close,
                          make_pair, random_graph, run_both)  # noqa: E402
@@ -301,3 +302,24 @@ def test_explainer_masks_and_message_passing_hooks_match_pyg():
 
 def test_uncoalesced_coo_adjacency_is_left_untouched():
     check_uncoalesced_coo_adjacency(PyGGATv2Conv, GATv2Conv)
+
+
+def test_inference_pass_then_training():
+    check_inference_pass_then_training(PyGGATv2Conv, GATv2Conv)
+
+
+def test_cached_edge_features_follow_the_dtype():
+    """Integer edge features are cast to the layer's dtype and the loops' features computed in
+    it; the edge-feature cache ignored the dtype, so a float32 layer got the float16-rounded
+    features an fp16 copy had cached."""
+    import copy
+    from torch_gradops.nn import clear_csc_cache
+    torch.manual_seed(0)
+    x, ei, ea = torch.randn(8, 4), torch.randint(0, 8, (2, 20)), torch.randint(2049, 4000, (20, 1))
+    layer = GATv2Conv(4, 2, heads=1, edge_dim=1)
+    half = copy.deepcopy(layer).half()
+    with torch.no_grad():
+        ref = layer(x, ei, ea)
+        clear_csc_cache()
+        half(x.half(), ei, ea)
+        assert torch.equal(layer(x, ei, ea), ref)

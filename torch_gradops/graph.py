@@ -1,6 +1,8 @@
 """Bipartite graphs in compressed sparse column (CSC) form, the layout the GAT kernels walk."""
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -201,26 +203,39 @@ class BipartiteCSC:
             self._dst = self._reverse = self._inv_perm = None
             self._versions_seen = seen
 
+    def _building(self):
+        """The mode to build the cached indices in: normal tensors (not inference ones) for a
+        graph of normal tensors, even under ``torch.inference_mode()``; an inference tensor
+        cached by a validation pass could not be saved by a later training call's backward."""
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled() and self._versions() is not None:
+            return torch.inference_mode(False)
+        return contextlib.nullcontext()
+
     def dst_index(self) -> torch.Tensor:
         """``[E]`` destination id of each edge, in CSC order (built once)."""
         self._drop_stale()
         if self._dst is None:
-            self._dst = csc_destinations(self.indptr, self.num_edges)
+            with self._building():
+                self._dst = csc_destinations(self.indptr, self.num_edges)
         return self._dst
 
     def reverse_index(self) -> _ReverseIndex:
         """Source-grouped edge lists (built once): ``indptr [num_src+1]``, ``edge [E]``, ``dst [E]``."""
         self._drop_stale()
         if self._reverse is None:
-            edge = torch.argsort(self.indices, stable=True)
-            # searchsorted over the sorted sources rather than bincount: its output size is
-            # static (num_src + 1), so torch.compile can trace it without a graph break.
-            indptr = torch.searchsorted(
-                self.indices.index_select(0, edge),
-                torch.arange(self.num_src + 1, device=self.device, dtype=self.dtype))
-            self._reverse = _ReverseIndex(indptr.to(self.dtype), edge.to(self.dtype).contiguous(),
-                                          self.dst_index()[edge].contiguous())
+            with self._building():
+                self._reverse = self._build_reverse()
         return self._reverse
+
+    def _build_reverse(self) -> _ReverseIndex:
+        edge = torch.argsort(self.indices, stable=True)
+        # searchsorted over the sorted sources rather than bincount: its output size is
+        # static (num_src + 1), so torch.compile can trace it without a graph break.
+        indptr = torch.searchsorted(
+            self.indices.index_select(0, edge),
+            torch.arange(self.num_src + 1, device=self.device, dtype=self.dtype))
+        return _ReverseIndex(indptr.to(self.dtype), edge.to(self.dtype).contiguous(),
+                             self.dst_index()[edge].contiguous())
 
     def edge_order(self, values: torch.Tensor) -> torch.Tensor:
         """Reorder a per-edge tensor from the original edge order (``[num_input_edges, ...]``) to
@@ -250,8 +265,10 @@ class BipartiteCSC:
         inv = self._inv_perm
         if inv is None:
             # a scatter (perm's ids are distinct), not an argsort: O(E), and it covers left-out edges
-            inv = torch.full((self.num_input_edges,), self.num_edges, dtype=self.dtype, device=self.device)
-            inv.index_put_((self.perm.long(),), torch.arange(self.num_edges, dtype=self.dtype, device=self.device))
+            with self._building():
+                inv = torch.full((self.num_input_edges,), self.num_edges, dtype=self.dtype, device=self.device)
+                inv.index_put_((self.perm.long(),),
+                               torch.arange(self.num_edges, dtype=self.dtype, device=self.device))
             if not torch.compiler.is_compiling():  # a traced tensor must not outlive its trace
                 self._inv_perm = inv
         return inv

@@ -119,7 +119,10 @@ def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) 
         hit = entries.get(key)
         if hit is not None and hit[0] == version:
             return hit[1]
-    graph = build()
+    # normal tensors even under inference mode: the cached graph serves later training calls,
+    # whose backward cannot save inference tensors
+    with torch.inference_mode(False):
+        graph = build()
     if entries is None:
         entries = {}
         CSC_CACHE[edge_index] = entries
@@ -254,11 +257,12 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
     hit = EDGE_FEATURE_CACHE.get(edge_attr)
     version = _version(edge_attr)
     if hit is not None:
-        v, graph_ref, loops, fill, ordered = hit
-        if v == version and graph_ref() is graph and loops == num_loops and fill == fill_value:
+        v, graph_ref, loops, fill, dt, ordered = hit
+        # dtype too: integer features are cast to it, and the loops' features computed in it
+        if v == version and graph_ref() is graph and loops == num_loops and fill == fill_value and dt == dtype:
             return ordered
     ordered = build()
-    EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, ordered)
+    EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, dtype, ordered)
     return ordered
 
 
