@@ -228,6 +228,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=3, help="timing processes per (case, implementation)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tensornet_cpu.json"))
     args = ap.parse_args()
+    if args.repeat < 1:
+        ap.error("--repeat must be >= 1")
     if args.worker:
         with open(args.worker[0]) as f:
             specs = {s["name"]: s for s in json.load(f)}
@@ -249,8 +251,6 @@ def main():
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(specs, f)
         specfile = f.name
-    if args.repeat < 1:
-        ap.error("--repeat must be >= 1")
     results = []
     for spec in specs:
         runs = {impl: [] for impl in IMPLS[spec["name"]]}

@@ -200,6 +200,11 @@ def check_uncoalesced_coo_adjacency(pyg_cls, our_cls):
         assert not adj_t.is_coalesced() and adj_t.coalesce()._nnz() == 3
         if loops:  # PyG's layer takes it with self-loops
             close(ours(x, adj_t), theirs(x, adj_t.clone()))
+        # the attention weights too, whose adjacency is the coalesced one (PyG's with self-loops)
+        _, (adj2, alpha) = ours(x, adj_t, return_attention_weights=True)
+        _, (ref_adj, ref_alpha) = theirs(x, adj_t.coalesce(), return_attention_weights=True)
+        assert torch.equal(adj2.coalesce().indices(), ref_adj.coalesce().indices())
+        close(alpha, ref_alpha)
     _, with_edges = make_pair(pyg_cls, our_cls, 3, 2, heads=2, edge_dim=2)
     with pytest.raises(ValueError, match="uncoalesced"):
         with_edges(x, torch.sparse_coo_tensor(idx, torch.ones(4), (4, 4)), torch.randn(4, 2))

@@ -27,7 +27,7 @@ from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
            "num_edges", "edge_attr_2d", "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE",
-           "attention_result", "needs_message_passing"]
+           "attention_result", "needs_message_passing", "coalesced_adjacency", "FusedMessagePassing"]
 
 try:  # PyG >= 2.5
     from torch_geometric import EdgeIndex
@@ -79,12 +79,6 @@ def edge_list(edge_index) -> Tuple[Tensor, Tensor, Optional[bool]]:
         row, col, _ = edge_index.coo()
         return col, row, True
     if is_torch_sparse_tensor(edge_index):
-        if _uncoalesced(edge_index):
-            # a coalesced copy, duplicates merged: the graph PyG's layers use (with self-loops;
-            # without, they refuse it); its to_edge_index would mark the caller's tensor
-            # coalesced without coalescing it
-            row, col = edge_index.coalesce().indices()
-            return col, row, True
         (row, col), _ = to_edge_index(edge_index)
         return col, row, True if edge_index.layout == torch.sparse_csr else None
     if is_edge_index(edge_index):
@@ -98,6 +92,23 @@ def edge_list(edge_index) -> Tuple[Tensor, Tensor, Optional[bool]]:
         return edge_index[0], edge_index[1], None
     raise ValueError("edge_index must be a [2, E] integer Tensor, an EdgeIndex, a "
                      f"torch.sparse adjacency or a torch_sparse.SparseTensor, got {type(edge_index).__name__}")
+
+
+def coalesced_adjacency(edge_index, edge_attr: Optional[Tensor]):
+    """``edge_index`` as the layers read it: an uncoalesced ``torch.sparse`` COO ``adj_t`` as a
+    coalesced copy (duplicates merged), the graph PyG's layers use (with self-loops; without,
+    they refuse it), so that every later step sees one edge list; the caller's tensor is left
+    as it is (PyG's ``to_edge_index`` would mark it coalesced without coalescing it). With
+    ``edge_attr``, whose rows such a tensor cannot order, it is refused. (The copy is new each
+    call, so its graph conversion is not cached.)"""
+    if not (is_torch_sparse_tensor(edge_index) and edge_index.layout == torch.sparse_coo
+            and not edge_index.is_coalesced()):
+        return edge_index
+    if edge_attr is not None:
+        raise ValueError("edge_attr with an uncoalesced torch.sparse COO adjacency: its entries have no "
+                         "edge order to match edge_attr's rows (PyG's layers merge or refuse them); "
+                         "coalesce() it first")
+    return edge_index.coalesce()
 
 
 def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) -> BipartiteCSC:
@@ -185,10 +196,6 @@ def num_edges(edge_index) -> int:
     return edge_index.size(1)
 
 
-def _uncoalesced(adj) -> bool:
-    return adj.layout == torch.sparse_coo and not adj.is_coalesced()
-
-
 def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
     """``edge_attr`` as PyG's attention layers read it, ``[E, edge_dim]``: ``[E]`` is one feature
     per edge, and the leading dims of ``[..., edge_dim]`` hold the ``E`` rows (PyG's ``lin_edge``
@@ -196,10 +203,6 @@ def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
     concatenation with the loops' features promotes them). ``E`` must be ``edge_index``'s
     number of edges. An inference tensor used with autograd on is copied to a normal one (which
     autograd can save, as PyG's concatenation makes one)."""
-    if is_torch_sparse_tensor(edge_index) and _uncoalesced(edge_index):
-        raise ValueError("edge_attr with an uncoalesced torch.sparse COO adjacency: its entries have no "
-                         "edge order to match edge_attr's rows (PyG's layers merge or refuse them); "
-                         "coalesce() it first")
     ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr.reshape(-1, edge_attr.size(-1))
     expected = num_edges(edge_index)
     if ea.size(0) != expected:
@@ -332,3 +335,13 @@ def needs_message_passing(layer) -> bool:
     if getattr(layer, "explain", False):
         return True
     return any(len(getattr(layer, name, ())) for name in _MESSAGE_PASSING_HOOKS)
+
+
+class FusedMessagePassing:
+    """Base of the fused layers, before PyG's layer class: PyG specialises ``propagate()`` and
+    ``edge_updater()`` to the calls that ``forward``'s source makes, and the fused ``forward``
+    makes none, so the specialised ones took no arguments. The generic ones stay, for PyG's
+    forward when :func:`needs_message_passing` (explainers, MessagePassing hooks)."""
+
+    def _set_jittable_templates(self, raise_on_error: bool = False) -> None:
+        return

@@ -10,8 +10,8 @@ from torch_geometric.nn.conv import GATConv as PyGGATConv
 
 from ..gat import gat_attention
 from ..graph import BipartiteCSC, _append_zero_row
-from .adjacency import (attention_result, csc_graph, edge_attr_2d, loop_edge_attr, needs_message_passing,
-                        propagate_sizes)
+from .adjacency import (FusedMessagePassing, attention_result, coalesced_adjacency, csc_graph, edge_attr_2d,
+                        loop_edge_attr, needs_message_passing, propagate_sizes)
 
 __all__ = ["GATConv"]
 
@@ -20,7 +20,7 @@ __all__ = ["GATConv"]
 _FOLD_MAX_IN_PER_CHANNEL = 8
 
 
-class GATConv(PyGGATConv):
+class GATConv(FusedMessagePassing, PyGGATConv):
     r"""Drop-in replacement for :class:`torch_geometric.nn.GATConv` (PyG 2.8), computed by the
     fused, deterministic :func:`torch_gradops.gat_attention` kernel.
 
@@ -47,12 +47,6 @@ class GATConv(PyGGATConv):
     across layers (:mod:`torch_gradops.nn.adjacency`).
     """
 
-    def _set_jittable_templates(self, raise_on_error: bool = False) -> None:
-        # PyG specialises propagate() and edge_updater() to the calls that forward's source
-        # makes; this forward makes none (the fused kernel), and the specialised ones took no
-        # arguments. The generic ones stay, for PyG's forward (explainers, MessagePassing hooks).
-        return
-
     def forward(
         self,
         x: Union[Tensor, Tuple[Tensor, Optional[Tensor]]],
@@ -63,6 +57,7 @@ class GATConv(PyGGATConv):
     ):
         if needs_message_passing(self):  # explainer masks, MessagePassing hooks: PyG's propagate
             return super().forward(x, edge_index, edge_attr, size, return_attention_weights)
+        edge_index = coalesced_adjacency(edge_index, None if self.lin_edge is None else edge_attr)
         x_in_src, x_in_dst, res = self._inputs(x)
         x_src = self._project(x_in_src, x_in_dst)
         alpha_src, alpha_dst = self._node_logits(x_src, x_in_src, x_in_dst)

@@ -10,12 +10,13 @@ from torch_geometric.nn.conv import GATv2Conv as PyGGATv2Conv
 
 from ..gatv2 import _check_inputs, _gatv2_attention_csc
 from ..graph import BipartiteCSC, _append_zero_row
-from .adjacency import attention_result, csc_edge_features, csc_graph, needs_message_passing, propagate_sizes
+from .adjacency import (FusedMessagePassing, attention_result, coalesced_adjacency, csc_edge_features, csc_graph,
+                        needs_message_passing, propagate_sizes)
 
 __all__ = ["GATv2Conv"]
 
 
-class GATv2Conv(PyGGATv2Conv):
+class GATv2Conv(FusedMessagePassing, PyGGATv2Conv):
     r"""Drop-in replacement for :class:`torch_geometric.nn.GATv2Conv` (PyG 2.8), computed by the
     fused, deterministic :func:`torch_gradops.gatv2_attention` kernel.
 
@@ -39,12 +40,6 @@ class GATv2Conv(PyGGATv2Conv):
           :func:`torch_gradops.nn.adjacency.attention_result`).
     """
 
-    def _set_jittable_templates(self, raise_on_error: bool = False) -> None:
-        # PyG specialises propagate() and edge_updater() to the calls that forward's source
-        # makes; this forward makes none (the fused kernel), and the specialised ones took no
-        # arguments. The generic ones stay, for PyG's forward (explainers, MessagePassing hooks).
-        return
-
     def forward(
         self,
         x: Union[Tensor, Tuple[Tensor, Tensor]],
@@ -54,6 +49,7 @@ class GATv2Conv(PyGGATv2Conv):
     ):
         if needs_message_passing(self):  # explainer masks, MessagePassing hooks: PyG's propagate
             return super().forward(x, edge_index, edge_attr, return_attention_weights)
+        edge_index = coalesced_adjacency(edge_index, None if self.lin_edge is None else edge_attr)
         x_l, x_r, res = self._project(x)
         num_dst, num_loops = propagate_sizes(edge_index, x_l.size(0), x_r.size(0), None, self.add_self_loops,
                                              self.edge_dim)

@@ -258,8 +258,7 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
             if score is None:  # the caller's own optimizer object
                 raise ValueError(f"optimize: the cotengra optimizer found no contraction tree ({e!r}); see "
                                  "cotengra's trial warnings") from None
-            greedy = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
-            tree = cotengra.ContractionTree.from_path(c_in, c_out, c_sizes, path=check_path(greedy, len(inputs)))
+            tree = cotengra.ContractionTree.from_path(c_in, c_out, c_sizes, path=_greedy_path(inputs, output, sizes))
         if [tuple(t) for t in tree.inputs] != [tuple(t) for t in c_in] or tuple(tree.output) != tuple(c_out):
             # a cotengra optimizer object keeps its best tree: reused, it returns the first network's
             raise ValueError("optimize: the cotengra optimizer returned a tree of another network (an optimizer "
@@ -350,12 +349,17 @@ def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callab
     return out
 
 
+def _greedy_path(inputs, output, sizes) -> List[Tuple[int, int]]:
+    """opt_einsum's greedy path, as pairs."""
+    return check_path(opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes)),
+                      len(inputs))
+
+
 def _empty_network_path(inputs, output, sizes) -> PathResult:
     """opt_einsum's greedy path for a network with a mode of extent 0: every path costs nothing
     and the result is zeros (cotengra's trials divide by the sizes and all fail)."""
     t0 = time.perf_counter()
-    path = opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
-    return PathResult(check_path(path, len(inputs)), None, "greedy", True, time.perf_counter() - t0)
+    return PathResult(_greedy_path(inputs, output, sizes), None, "greedy", True, time.perf_counter() - t0)
 
 
 def _greedy_flops(inputs, output, sizes, path) -> float:
@@ -386,8 +390,7 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
         if name == "auto" and n > SMALL:
             # as much search as the contraction is worth: a greedy path first tells how much
             t0 = time.perf_counter()
-            greedy = [tuple(p) for p in opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output),
-                                                               dict(sizes))]
+            greedy = _greedy_path(inputs, output, sizes)
             sliced = None
             if path_work is not None and (limit_elems is not None or min_slices):
                 try:
@@ -427,7 +430,8 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
         if 0 in sizes.values():
             return _empty_network_path(inputs, output, sizes)
         return _cotengra_search(optimize, inputs, output, sizes)
-    if isinstance(optimize, opt_einsum.paths.PathOptimizer):  # an opt_einsum optimizer object (cotengra's are too: first)
+    # an opt_einsum optimizer object (cotengra's are PathOptimizers too: taken above)
+    if isinstance(optimize, opt_einsum.paths.PathOptimizer):
         t0 = time.perf_counter()
         path = optimize([frozenset(t) for t in inputs], frozenset(output), dict(sizes))
         return PathResult(check_path(path, n), None, type(optimize).__name__, True, time.perf_counter() - t0)
