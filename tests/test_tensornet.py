@@ -1395,6 +1395,41 @@ def test_search_budget_counts_trials_and_follows_the_best_plan():
     assert len(opt.scores) == 6 and opt.max_repeats == 6
 
 
+def test_searches_under_a_limit_take_trials_in_turn():
+    """The default search under a limit runs two cotengra searches (slicing to the limit and to
+    1/4 of it). One after the other, the first ran on while the budget followed only its own
+    trees (8 trials of it, then 4 of the second, on the 6x6 benchmark lattice at 1 MiB, whose
+    second search held the better tree after 4): in turn, the budget stops both once all have
+    run their minimum. Each search's trials are still those it runs alone (its own seeded
+    stream), so the plans only differ where the search now stops earlier."""
+    from torch_gradops.tensornet import paths
+    inputs, output, _ = lattice_network(3, 3, 4, seed=0)
+    sym = {m: opt_einsum.get_symbol(m) for t in inputs for m in t}
+    c_in = [[sym[m] for m in t] for t in inputs]
+    sizes = {s: 4 for s in sym.values()}
+    totals = []
+
+    def more(total):
+        totals.append(total)
+        return total < 12
+
+    def searches(n, min_repeats):
+        return [paths.BudgetedHyperOptimizer(min_repeats=min_repeats, more=more, max_repeats=32,
+                                             methods=[paths.GREEDY_TRIAL], optlib_opts={"seed": 0},
+                                             slicing_opts={"target_size": t}, progbar=False, parallel=False)
+                for t in (64, 16)[:n]]
+    pair = searches(2, 4)
+    trees = paths._seeded(lambda: paths._round_robin(pair, c_in, [], sizes))
+    # 4 + 4 (the minimums), then a batch of the first: more(12) says stop
+    assert [o.done for o in pair] == [4 + paths.BATCH, 4] and totals == [8, 12]
+    assert all(t is not None for t in trees)
+    for j, opt in enumerate(pair):  # the same trials as the search alone
+        alone = searches(2, opt.done)[j]
+        alone.more = lambda total: False
+        paths._seeded(lambda: alone.search(c_in, [], sizes))
+        assert alone.scores == opt.scores and alone.tree.get_path() == opt.tree.get_path()
+
+
 # ---------------------------------------------------------------------------- validation
 def test_validation_errors():
     a, b = torch.randn(2, 3), torch.randn(3, 4)

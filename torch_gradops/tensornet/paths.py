@@ -9,13 +9,14 @@ branch-and-bound; milliseconds). Larger ones first get opt_einsum's greedy path,
 of the contraction's cost: when even that is worth less than two trials of search
 (:func:`search_budget`) it is the path. Otherwise a ``cotengra.HyperOptimizer`` search over
 greedy trees, each sliced by cotengra to the memory limit (and, with 16 trials or more, a second
-search to 1/4 of it), scored by :class:`PlanObjective`: the executor's forward + backward work
-of the sliced tree, with the backward's recomputation and a charge for any further slicing its
-memory model needs. The search runs :data:`MIN_TRIALS` trials, then more, :data:`BATCH` at a
-time, while they cost less than :data:`SEARCH_FRACTION` of the best plan's estimated time
-(:func:`wants_more`; at most 32 trials), so a contraction of milliseconds is not searched for
-seconds. The trials are cheap greedy trees (cotengra's subtree reconfiguration, which its own
-default search runs on every trial, costs 10-20x a trial); the winner alone is then
+search to 1/4 of it, the two taking batches of trials in turn), scored by :class:`PlanObjective`:
+the executor's forward + backward work of the sliced tree, with the backward's recomputation and
+a charge for any further slicing its memory model needs. The search runs :data:`MIN_TRIALS`
+trials, then more, :data:`BATCH` at a time, while they cost less than :data:`SEARCH_FRACTION` of
+the best plan's estimated time (:func:`wants_more`; at most 32 trials), so a contraction of
+milliseconds is not searched for seconds. The trials are cheap greedy trees (cotengra's subtree
+reconfiguration, which its own default search runs on every trial, costs 10-20x a trial); the
+winner alone is then
 reconfigured, as sliced and with its order unsliced (sliced afresh by the planner), where that
 costs at most :data:`POLISH_FRACTION` of its estimated time (:func:`worth_polishing`): on the
 benchmark lattices this cut the chosen plans' work by up to 6x (6x6, bond 8, at 4 MiB). The
@@ -51,7 +52,7 @@ __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 4   # bump when the search or its scoring changes: old cached paths are ignored
+_CACHE_VERSION = 5   # bump when the search or its scoring changes: old cached paths are ignored
 
 
 @dataclass(frozen=True)
@@ -134,25 +135,64 @@ class BudgetedHyperOptimizer(cotengra.HyperOptimizer):
         super().__init__(**kwargs)
         self.min_repeats = min_repeats
         self.more = more
+        self.cap = self.max_repeats
+        self.done = 0  # trials run so far
+
+    def next_batch(self) -> int:
+        """Trials of the next :meth:`run`: up to ``min_repeats`` first (at least :data:`BATCH`),
+        then :data:`BATCH`; 0 once ``max_repeats`` ran."""
+        return min(self.cap - self.done, max(self.min_repeats - self.done, BATCH))
+
+    def run(self, inputs, output, size_dict, trials: int):
+        """Run ``trials`` more trials (cotengra's search goes on from where it stopped)."""
+        self.max_repeats = trials
+        try:
+            self._search(inputs, output, size_dict)  # search() would fail while no trial succeeded
+        finally:
+            self.max_repeats = self.cap
+        self.done += trials
 
     def search(self, inputs, output, size_dict):
-        cap, done = self.max_repeats, 0
+        while True:
+            self.run(inputs, output, size_dict, self.next_batch())
+            if self.done >= self.cap or (self.done >= self.min_repeats and not self.more(self.done)):
+                return self.tree
+
+
+def _round_robin(searches: List[BudgetedHyperOptimizer], inputs, output, size_dict) -> list:
+    """Run several :class:`BudgetedHyperOptimizer` searches of one network a batch at a time in
+    turn (each first its ``min_repeats``) until all their minimums ran and their shared
+    ``more(total trials)`` says no more, or each ran its ``max_repeats``. In turn rather than
+    one after the other, so that the budget follows the best plan of all of them: whichever
+    search finds it first stops the others (one after the other, the first search could run on
+    for trials while the second already held a better tree). Returns each search's tree, or
+    None where cotengra kept none (every trial failed). Each search draws from its own seeded
+    stream of Python's ``random`` (run it under :func:`_seeded`): its trials are those it would
+    run alone."""
+    total, min_total, more = 0, sum(opt.min_repeats for opt in searches), searches[0].more
+    random.seed(SEED)
+    streams = [random.getstate()] * len(searches)  # each search draws its own seeded sequence
+    while any(opt.next_batch() > 0 for opt in searches):
+        for j, opt in enumerate(searches):
+            k = opt.next_batch()
+            if k <= 0:
+                continue
+            random.setstate(streams[j])
+            opt.run(inputs, output, size_dict, k)
+            streams[j] = random.getstate()
+            total += k
+            if total >= min_total and not more(total):
+                break
+        else:
+            continue
+        break
+    trees = []
+    for opt in searches:
         try:
-            while True:
-                self.max_repeats = min(cap - done, max(self.min_repeats - done, BATCH))
-                tree = super().search(inputs, output, size_dict)
-                done += self.max_repeats
-                if done >= cap or (done >= self.min_repeats and not self.more(done)):
-                    return tree
-        finally:
-            self.max_repeats = cap
-
-
-class _BudgetedReusable(cotengra.ReusableHyperOptimizer):
-    """The on-disk path cache over :class:`BudgetedHyperOptimizer`."""
-
-    def _get_suboptimizer(self):
-        return BudgetedHyperOptimizer(**self._suboptimizer_kwargs)
+            trees.append(opt.tree)
+        except KeyError:  # no trial kept (cotengra warned why)
+            trees.append(None)
+    return trees
 
 
 class PlanObjective(FlopsObjective):
@@ -220,6 +260,24 @@ def _cache_directory(path_cache, options) -> Optional[str]:
     return os.path.join(os.fspath(path_cache), f"torch_gradops-{key}")
 
 
+def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: Optional[str]):
+    """``(trees, searched)``: the default search's :class:`BudgetedHyperOptimizer`\ s with
+    ``options``, run in turn (:func:`_round_robin`); with ``cache_dir``, each search's tree read
+    from and written to its own cotengra ``ReusableHyperOptimizer`` cache there (a search runs
+    unless every tree is cached)."""
+    caches = []
+    if cache_dir is not None:
+        caches = [cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **o)
+                  for j, o in enumerate(options)]
+        if not any(c.hash_query(inputs, output, size_dict)[1] for c in caches):
+            return [c.search(inputs, output, size_dict) for c in caches], False  # cache hits: no search
+    trees = _seeded(lambda: _round_robin([BudgetedHyperOptimizer(**o) for o in options], inputs, output, size_dict))
+    for cache, tree in zip(caches, trees):
+        if tree is not None:
+            cache.update_from_tree(tree, overwrite=True)
+    return trees, True
+
+
 def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_dir=None,
                      score=None, candidates=(), polish: Optional[Callable[[float, int], bool]] = None) -> PathResult:
     """Run cotengra optimizers on integer modes (cotengra wants single-character symbols) and
@@ -244,26 +302,23 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
                 return exact(tree)
             except ValueError:
                 return math.inf
-    searched, best, t0 = False, None, time.perf_counter()
-    for j, optimizer in enumerate(optimizers):
-        if isinstance(optimizer, dict) and cache_dir is not None:
-            opt = _BudgetedReusable(directory=os.path.join(cache_dir, str(j)), **optimizer)
-            searched |= opt.hash_query(c_in, c_out, c_sizes)[1]
-        else:
-            opt = BudgetedHyperOptimizer(**optimizer) if isinstance(optimizer, dict) else optimizer
-            searched = True
+    searched, best, t0 = True, None, time.perf_counter()
+    if all(isinstance(o, dict) for o in optimizers):  # the default search: its trials in turn
+        trees, searched = _default_search(optimizers, c_in, c_out, c_sizes, cache_dir)
+    else:  # the caller's own optimizer object
         try:
-            tree = _seeded(lambda: opt.search(c_in, c_out, c_sizes))
+            trees = [_seeded(lambda: optimizers[0].search(c_in, c_out, c_sizes))]
         except KeyError as e:  # cotengra kept no tree: every trial failed (it warned why)
-            if score is None:  # the caller's own optimizer object
-                raise ValueError(f"optimize: the cotengra optimizer found no contraction tree ({e!r}); see "
-                                 "cotengra's trial warnings") from None
+            raise ValueError(f"optimize: the cotengra optimizer found no contraction tree ({e!r}); see "
+                             "cotengra's trial warnings") from None
+    for tree in trees:
+        if tree is None:  # every trial of a default search failed: opt_einsum's greedy path
             tree = cotengra.ContractionTree.from_path(c_in, c_out, c_sizes, path=_greedy_path(inputs, output, sizes))
         if [tuple(t) for t in tree.inputs] != [tuple(t) for t in c_in] or tuple(tree.output) != tuple(c_out):
             # a cotengra optimizer object keeps its best tree: reused, it returns the first network's
             raise ValueError("optimize: the cotengra optimizer returned a tree of another network (an optimizer "
                              "object that already searched keeps its tree); pass a new one for each network")
-        value = score(tree) if score is not None and (len(optimizers) > 1 or candidates) else 0.0
+        value = score(tree) if score is not None and (len(trees) > 1 or candidates) else 0.0
         if best is None or value < best[0]:
             best = (value, tree)
     if score is not None and candidates:  # the searches' proxy-best trees, scored exactly

@@ -344,6 +344,7 @@ class _Slicing:
         # tensors and their gradients, see _hoist)
         self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems - reserve
         self._final = {}
+        self._chosen = {}
 
     def schedule(self, path):
         """``(path, steps)``: under a limit the path's steps reordered with the heavier subtree
@@ -359,12 +360,17 @@ class _Slicing:
 
     def choose(self, path, suggested=()):
         """``(path, steps, sliced)``: the scheduled path, its steps and the sliced modes that fit
-        the limit (and ``min_slices``)."""
-        net = self.network
-        path, steps = self.schedule(path)
-        start = self.forced + [m for m in (suggested or []) if m not in self.forced]
-        return path, steps, slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems, self.min_slices,
-                                                 start)
+        the limit (and ``min_slices``). Memoised: the search scores a tree (:meth:`work`), then
+        its best trees again exactly (:meth:`finalize`)."""
+        key = (tuple(map(tuple, path)), tuple(suggested or ()))
+        if key not in self._chosen:
+            net = self.network
+            path, steps = self.schedule(path)
+            start = self.forced + [m for m in (suggested or []) if m not in self.forced]
+            self._chosen[key] = (path, steps, slicer.choose_sliced(steps, net.sizes, net.output, self.limit_elems,
+                                                                   self.min_slices, start))
+        path, steps, sliced = self._chosen[key]
+        return list(path), steps, list(sliced)
 
     def _peak_of(self, copies):
         """``costs -> (modelled peak, recomputed multiply-adds)`` with the best checkpoints."""
