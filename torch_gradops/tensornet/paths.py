@@ -16,13 +16,12 @@ trials, then more, :data:`BATCH` at a time, while they cost less than :data:`SEA
 the best plan's estimated time (:func:`wants_more`; at most 32 trials), so a contraction of
 milliseconds is not searched for seconds. The trials are cheap greedy trees (cotengra's subtree
 reconfiguration, which its own default search runs on every trial, costs 10-20x a trial); the
-winner alone is then
-reconfigured, as sliced and with its order unsliced (sliced afresh by the planner), where that
-costs at most :data:`POLISH_FRACTION` of its estimated time (:func:`worth_polishing`): on the
-benchmark lattices this cut the chosen plans' work by up to 6x (6x6, bond 8, at 4 MiB). The
-search is seeded (:data:`SEED`) and its budget counts trials, not seconds, so it is
-deterministic: every rank of a process group finds the same plan. The planner then
-schedules the chosen tree's steps heavy subtree last (:func:`heavy_last`).
+winner alone is then reconfigured, as sliced and with its order unsliced (sliced afresh by the
+planner), where that costs at most :data:`POLISH_FRACTION` of its estimated time
+(:func:`worth_polishing`): on the benchmark lattices this cut the chosen plans' work by up to 6x
+(6x6, bond 8, at 4 MiB). The search is seeded (:data:`SEED`) and its budget counts trials, not
+seconds, so it is deterministic: every rank of a process group finds the same plan. The planner
+then schedules the chosen tree's steps heavy subtree last (:func:`heavy_last`).
 
 An opt-in on-disk cache of searched paths (cotengra's ``ReusableHyperOptimizer``), keyed by the
 network and the options that shape the path, lets a new process skip the search: pass
@@ -261,8 +260,8 @@ def _cache_directory(path_cache, options) -> Optional[str]:
 
 
 def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: Optional[str]):
-    """``(trees, searched)``: the default search's :class:`BudgetedHyperOptimizer`\ s with
-    ``options``, run in turn (:func:`_round_robin`); with ``cache_dir``, each search's tree read
+    """``(trees, searched)``: the default search's :class:`BudgetedHyperOptimizer` searches
+    with ``options``, run in turn (:func:`_round_robin`); with ``cache_dir``, each search's tree read
     from and written to its own cotengra ``ReusableHyperOptimizer`` cache there (a search runs
     unless every tree is cached)."""
     caches = []
