@@ -1364,6 +1364,13 @@ def test_heavy_last_schedule_keeps_the_tree_and_cuts_recomputation():
            torch.einsum("abc,cd,db->a", *small))
 
 
+def _symbolic_lattice():
+    """A 3x3 lattice of bond 4 as cotengra wants it: ``(inputs as symbols, sizes)``."""
+    inputs, _, _ = lattice_network(3, 3, 4, seed=0)
+    sym = {m: opt_einsum.get_symbol(m) for t in inputs for m in t}
+    return [[sym[m] for m in t] for t in inputs], {s: 4 for s in sym.values()}
+
+
 def test_search_budget_counts_trials_and_follows_the_best_plan():
     """The default search runs at least a few trials (fewer when the contraction is worth less),
     then more only while the trials cost less than a fraction of the best plan's estimated time:
@@ -1376,10 +1383,7 @@ def test_search_budget_counts_trials_and_follows_the_best_plan():
     assert not paths.wants_more(36, paths.MIN_TRIALS, 1e9)
     assert paths.wants_more(36, paths.MIN_TRIALS, 1e12)
     assert not paths.wants_more(36, 10**4, 1e15)  # at most MAX_SEARCH_S worth
-    inputs, output, _ = lattice_network(3, 3, 4, seed=0)
-    sym = {m: opt_einsum.get_symbol(m) for t in inputs for m in t}
-    c_in = [[sym[m] for m in t] for t in inputs]
-    sizes = {s: 4 for s in sym.values()}
+    c_in, sizes = _symbolic_lattice()
     calls = []
 
     def more(trials):
@@ -1403,10 +1407,7 @@ def test_searches_under_a_limit_take_trials_in_turn():
     run their minimum. Each search's trials are still those it runs alone (its own seeded
     stream), so the plans only differ where the search now stops earlier."""
     from torch_gradops.tensornet import paths
-    inputs, output, _ = lattice_network(3, 3, 4, seed=0)
-    sym = {m: opt_einsum.get_symbol(m) for t in inputs for m in t}
-    c_in = [[sym[m] for m in t] for t in inputs]
-    sizes = {s: 4 for s in sym.values()}
+    c_in, sizes = _symbolic_lattice()
     totals = []
 
     def more(total):
