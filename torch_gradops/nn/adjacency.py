@@ -199,8 +199,9 @@ def num_edges(edge_index) -> int:
 def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
     """``edge_attr`` as PyG's attention layers read it, ``[E, edge_dim]``: ``[E]`` is one feature
     per edge, and the leading dims of ``[..., edge_dim]`` hold the ``E`` rows (PyG's ``lin_edge``
-    maps the last dim, then views ``[-1, heads, C]``); integer features become ``dtype`` (PyG's
-    concatenation with the loops' features promotes them). ``E`` must be ``edge_index``'s
+    maps the last dim, then views ``[-1, heads, C]``); integer features become ``dtype``, as
+    PyG's concatenation with the loops' features promotes them (without loops, or with a tensor
+    ``fill_value``, PyG's ``lin_edge`` refuses them; this accepts them). ``E`` must be ``edge_index``'s
     number of edges. An inference tensor used with autograd on is copied to a normal one (which
     autograd can save, as PyG's concatenation makes one)."""
     ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr.reshape(-1, edge_attr.size(-1))
