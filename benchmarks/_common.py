@@ -35,8 +35,9 @@ def machine_info(device: str) -> dict:
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                     cuda=torch.version.cuda,
-                    # "1": the GAT/GATv2 forward kernels' one-edge schedule; None: their edge batches
-                    cuda_edge_batch=os.environ.get("TORCH_GRADOPS_CUDA_EDGE_BATCH"))
+                    # the schedule the GAT/GATv2 forward kernels ran: "1" (one edge at a time) or
+                    # "default" (their edge batches); the kernels take any other value as the default
+                    cuda_edge_batch="1" if os.environ.get("TORCH_GRADOPS_CUDA_EDGE_BATCH") == "1" else "default")
     try:
         import torch_geometric
         info["torch_geometric"] = torch_geometric.__version__

@@ -35,6 +35,9 @@ void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, co
   check_same_device(x_src, "x_src", indptr, "indptr");
   check_same_device(x_src, "x_src", indices, "indices");
   const int64_t E = indices.numel();
+  // Checked here for every backend: the CUDA kernels have no destination to report it from (the
+  // forward returned an uninitialised alpha and the backward's reverse-index assert killed the context).
+  TORCH_CHECK(a_dst.size(0) > 0 || E == 0, "indices has ", E, " edges but a_dst has no destinations to hold them");
   if (edge_logits.has_value()) {
     check_shape(*edge_logits, {E, heads}, "edge_logits");
     TORCH_CHECK(edge_logits->scalar_type() == x_src.scalar_type(),

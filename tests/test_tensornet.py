@@ -1399,6 +1399,28 @@ def test_search_budget_counts_trials_and_follows_the_best_plan():
     assert len(opt.scores) == 6 and opt.max_repeats == 6
 
 
+def test_a_too_old_cotengra_is_named(monkeypatch):
+    """cotengra 0.6-0.7 (which the package once declared it took) fail inside the search with a
+    TypeError about optlib_opts; the planner names the version to install instead, and the
+    paths that need no cotengra search still plan."""
+    from torch_gradops.tensornet import paths
+    for version in ("0.6.0", "0.7.5"):
+        with pytest.raises(ImportError, match=rf"cotengra>=0\.8, found {version}"):
+            paths.check_cotengra_version(version)
+    for version in ("0.8.0", "0.8.3", "1.0", "0.9.dev1+g123"):
+        paths.check_cotengra_version(version)
+    inputs, output, arrays = lattice_network(3, 3, 2, seed=0, dtype=torch.float64)
+    monkeypatch.setattr(paths.cotengra, "__version__", "0.7.5")
+    tn.clear_plan_cache()
+    try:
+        with pytest.raises(ImportError, match="cotengra>=0.8"):
+            tn.plan(*interleave(inputs, arrays, output), optimize="cotengra")
+        p = tn.plan(*interleave(inputs, arrays, output), optimize="greedy")
+        torch.testing.assert_close(p.contract(*arrays), einsum_pairwise(inputs, output, arrays, p.path))
+    finally:
+        tn.clear_plan_cache()
+
+
 def test_searches_under_a_limit_take_trials_in_turn():
     """The default search under a limit runs two cotengra searches (slicing to the limit and to
     1/4 of it). One after the other, the first ran on while the budget followed only its own

@@ -161,15 +161,18 @@ __global__ void gatv2_forward_kernel(Preact<scalar_t> P, const bool* __restrict_
     };
     if constexpr (kEdgeBatch == 2) {
       for (int64_t e = e0; e < e1; e += 2) {
-        const bool pair = e + 1 < e1;  // warp-uniform: the warp shares the destination
         const int64_t ja = idx[e];
-        const int64_t jb = pair ? static_cast<int64_t>(idx[e + 1]) : ja;
         CUDA_KERNEL_ASSERT(ja >= 0 && ja < num_src && "indices: source id out of range");
-        CUDA_KERNEL_ASSERT(jb >= 0 && jb < num_src && "indices: source id out of range");
-        acc_t sa, sb;
-        P.score2(ja, e, jb, pair ? e + 1 : e, i, h, lane, sa, sb);
-        fold(e, ja, sa);
-        if (pair) fold(e + 1, jb, sb);
+        if (e + 1 < e1) {  // warp-uniform: the warp shares the destination
+          const int64_t jb = idx[e + 1];
+          CUDA_KERNEL_ASSERT(jb >= 0 && jb < num_src && "indices: source id out of range");
+          acc_t sa, sb;
+          P.score2(ja, e, jb, e + 1, i, h, lane, sa, sb);
+          fold(e, ja, sa);
+          fold(e + 1, jb, sb);
+        } else {  // an odd degree's last edge alone (score2 of it twice gathered its rows twice)
+          fold(e, ja, P.score(ja, i, e, h, lane));
+        }
       }
     } else {
       for (int64_t e = e0; e < e1; ++e) {

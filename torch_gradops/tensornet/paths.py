@@ -126,6 +126,24 @@ def worth_polishing(n_operands: int, best_macs: float, trees: int = 1) -> bool:
     return RECONF_S_PER_OPERAND * n_operands * trees <= POLISH_FRACTION * 2.0 * best_macs / NOMINAL_FLOP_RATE
 
 
+MIN_COTENGRA = (0, 8)  # the oldest cotengra whose HyperOptimizer takes the search's options (optlib_opts)
+
+
+def check_cotengra_version(version: str) -> None:
+    """Raise an ``ImportError`` naming the fix when cotengra ``version`` is older than
+    :data:`MIN_COTENGRA` (0.6-0.7 fail inside the search with a ``TypeError`` about
+    ``optlib_opts``). Checked when the default search runs (:func:`_default_search`), so that the graph-attention half of
+    the package imports with any cotengra."""
+    try:
+        found = tuple(int(p) for p in version.split(".")[:2])
+    except ValueError:  # a development version: assume it is new enough
+        return
+    if found < MIN_COTENGRA:
+        need = ".".join(map(str, MIN_COTENGRA))
+        raise ImportError(f"torch_gradops' tensor-network planner needs cotengra>={need}, found {version}: "
+                          f"pip install -U 'cotengra>={need}' (or plan with optimize='greedy')")
+
+
 class BudgetedHyperOptimizer(cotengra.HyperOptimizer):
     """``cotengra.HyperOptimizer`` that runs ``min_repeats`` trials, then :data:`BATCH` at a time
     while ``more(trials)`` and fewer than ``max_repeats`` ran."""
@@ -264,6 +282,7 @@ def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: O
     with ``options``, run in turn (:func:`_round_robin`); with ``cache_dir``, each search's tree read
     from and written to its own cotengra ``ReusableHyperOptimizer`` cache there (a search runs
     unless every tree is cached)."""
+    check_cotengra_version(cotengra.__version__)
     caches = []
     if cache_dir is not None:
         caches = [cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **o)
