@@ -747,7 +747,7 @@ EDGE_BATCH_SCRIPT = r"""
 import sys, torch, torch_gradops
 ops, device = torch.ops.torch_gradops, sys.argv[2]
 g = torch.Generator().manual_seed(0)
-ns, nd, H, C = 37, 40, 3, 40  # C > 32: GATv2's channel blocks; destination i has i % 10 edges
+ns, nd, H, C = 37, 40, 3, 40  # C > 32: a lane takes several channels; destination i has i % 10 edges
 indptr = torch.cat([torch.zeros(1, dtype=torch.long), (torch.arange(nd) % 10).cumsum(0)])
 E = int(indptr[-1])
 indices = torch.randint(0, ns, (E,), generator=g)
@@ -785,8 +785,10 @@ def test_forward_edge_batches_agree_bitwise(device, tmp_path):
         if batch is not None:
             env["TORCH_GRADOPS_CUDA_EDGE_BATCH"] = batch
         path = tmp_path / f"batch_{batch}.pt"
-        subprocess.run([sys.executable, "-c", EDGE_BATCH_SCRIPT, str(path), device], check=True, env=env,
-                       cwd=os.path.dirname(os.path.abspath(__file__)))
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's torch_gradops
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        subprocess.run([sys.executable, "-c", EDGE_BATCH_SCRIPT, str(path), device], check=True, env=env, cwd=root,
+                       timeout=600)
         runs.append(torch.load(path))
     assert runs[0].keys() == runs[1].keys() and len(runs[0]) == 24
 

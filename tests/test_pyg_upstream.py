@@ -20,20 +20,20 @@ def _run(source, *args):
     return subprocess.run([sys.executable, SCRIPT, str(source), *args], capture_output=True, text=True, timeout=600)
 
 
-def _stand_in(tmp_path, gat_import, ours=True):
+def _stand_in(tmp_path, gat_import, ours=lambda cls: True):
     """Stand-ins for PyG's two test files, each importing its layer with ``gat_import(cls)``
-    and checking that the layer it built is ours (or, ``ours=False``, PyG's)."""
+    and checking that the layer it built is ours (or, where ``ours(cls)`` is false, PyG's)."""
     conv = tmp_path / "test" / "nn" / "conv"
     conv.mkdir(parents=True)
     for name, cls in (("test_gat_conv.py", "GATConv"), ("test_gatv2_conv.py", "GATv2Conv")):
         (conv / name).write_text(
             f"import torch\n{gat_import(cls)}\n\n"
-            f"def test_layer():\n"
+            f"def test_{cls.lower()}():\n"
             f"    conv = {cls}(8, 4, heads=2)\n"
             f"    assert str(conv) == '{cls}(8, 4, heads=2)'\n"
             f"    out = conv(torch.randn(5, 8), torch.tensor([[0, 1, 2], [1, 2, 3]]))\n"
             f"    assert out.shape == (5, 8)\n"
-            f"    assert {'' if ours else 'not '}any(c.__module__.startswith('torch_gradops') for c in type(conv).__mro__)\n")
+            f"    assert {'' if ours(cls) else 'not '}any(c.__module__.startswith('torch_gradops') for c in type(conv).__mro__)\n")
     return tmp_path
 
 
@@ -44,13 +44,20 @@ def test_harness_puts_our_layers_in_pygs_place(tmp_path):
 
 
 def test_harness_fails_when_pygs_own_layers_ran(tmp_path):
-    # importing from the defining module bypasses the substitution: PyG's layers run, and the
-    # harness must not report that as our layers passing
-    modules = {"GATConv": "gat_conv", "GATv2Conv": "gatv2_conv"}
-    src = _stand_in(tmp_path, lambda cls: f"from torch_geometric.nn.conv.{modules[cls]} import {cls}", ours=False)
+    # importing from the defining module bypasses the substitution: PyG's GATv2Conv runs there,
+    # and the harness must not report that as our layers passing (while GATConv's file is ours)
+    modules = {"GATConv": "torch_geometric.nn", "GATv2Conv": "torch_geometric.nn.conv.gatv2_conv"}
+    src = _stand_in(tmp_path, lambda cls: f"from {modules[cls]} import {cls}",
+                    ours=lambda cls: cls == "GATConv")
     r = _run(src)
     assert r.returncode == 3, r.stdout + r.stderr
-    assert "2 passed" in r.stdout
+    assert "2 passed" in r.stdout and "PyG's own: {'GATConv': 0, 'GATv2Conv': 1}" in r.stdout
+
+
+def test_harness_passes_options_to_pytest(tmp_path):
+    r = _run(_stand_in(tmp_path, lambda cls: f"from torch_geometric.nn import {cls}"), "-k", "gatv2")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "1 passed" in r.stdout and "{'GATConv': 0, 'GATv2Conv': 1}" in r.stdout
 
 
 def test_harness_refuses_a_folder_without_pygs_tests(tmp_path):

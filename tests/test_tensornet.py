@@ -1400,17 +1400,30 @@ def test_search_budget_counts_trials_and_follows_the_best_plan():
 
 
 def test_a_too_old_cotengra_is_named(monkeypatch):
-    """cotengra 0.6-0.7 (which the package once declared it took) fail inside the search with a
-    TypeError about optlib_opts; the planner names the version to install instead, and the
-    paths that need no cotengra search still plan."""
+    """cotengra 0.6-0.7 (which the package once declared it took) take the search's optlib_opts
+    into **kwargs and fail inside the search with a TypeError; the planner checks for the option
+    (not the version string: a source checkout reports 0.0.0+unknown) and names the version to
+    install instead, and the paths that need no cotengra search still plan."""
+    import cotengra
     from torch_gradops.tensornet import paths
-    for version in ("0.6.0", "0.7.5"):
-        with pytest.raises(ImportError, match=rf"cotengra>=0\.8, found {version}"):
-            paths.check_cotengra_version(version)
-    for version in ("0.8.0", "0.8.3", "1.0", "0.9.dev1+g123"):
-        paths.check_cotengra_version(version)
+
+    class OldHyperOptimizer:  # cotengra 0.7.5's signature
+        def __init__(self, methods=None, minimize="flops", max_repeats=128, **optlib_opts):
+            pass
+
+    class NewHyperOptimizer:
+        def __init__(self, methods=None, minimize="flops", max_repeats=128, optlib_opts=None, **kwargs):
+            pass
+
+    paths.check_cotengra()  # the installed one
+    paths.check_cotengra(NewHyperOptimizer)
+    monkeypatch.setattr(cotengra, "__version__", "0.7.5")
+    with pytest.raises(ImportError, match=r"cotengra>=0\.8 .*found 0\.7\.5"):
+        paths.check_cotengra(OldHyperOptimizer)
+    monkeypatch.setattr(cotengra, "__version__", "0.0.0+unknown")  # a source checkout: its feature decides
+    paths.check_cotengra(NewHyperOptimizer)
     inputs, output, arrays = lattice_network(3, 3, 2, seed=0, dtype=torch.float64)
-    monkeypatch.setattr(paths.cotengra, "__version__", "0.7.5")
+    monkeypatch.setattr(cotengra, "HyperOptimizer", OldHyperOptimizer)
     tn.clear_plan_cache()
     try:
         with pytest.raises(ImportError, match="cotengra>=0.8"):

@@ -30,6 +30,7 @@ network and the options that shape the path, lets a new process skip the search:
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 import os
 import random
@@ -126,22 +127,20 @@ def worth_polishing(n_operands: int, best_macs: float, trees: int = 1) -> bool:
     return RECONF_S_PER_OPERAND * n_operands * trees <= POLISH_FRACTION * 2.0 * best_macs / NOMINAL_FLOP_RATE
 
 
-MIN_COTENGRA = (0, 8)  # the oldest cotengra whose HyperOptimizer takes the search's options (optlib_opts)
-
-
-def check_cotengra_version(version: str) -> None:
-    """Raise an ``ImportError`` naming the fix when cotengra ``version`` is older than
-    :data:`MIN_COTENGRA` (0.6-0.7 fail inside the search with a ``TypeError`` about
-    ``optlib_opts``). Checked when the default search runs (:func:`_default_search`), so that the graph-attention half of
-    the package imports with any cotengra."""
-    try:
-        found = tuple(int(p) for p in version.split(".")[:2])
-    except ValueError:  # a development version: assume it is new enough
-        return
-    if found < MIN_COTENGRA:
-        need = ".".join(map(str, MIN_COTENGRA))
-        raise ImportError(f"torch_gradops' tensor-network planner needs cotengra>={need}, found {version}: "
-                          f"pip install -U 'cotengra>={need}' (or plan with optimize='greedy')")
+def check_cotengra(hyper_optimizer=None) -> None:
+    """Raise an ``ImportError`` naming the fix when the installed cotengra's ``HyperOptimizer``
+    (or ``hyper_optimizer``) does not take the search's ``optlib_opts`` option by name: cotengra
+    0.6-0.7 take it into ``**kwargs`` and fail inside the search with a ``TypeError``. The
+    feature is checked, not the version string (a source checkout reports "0.0.0+unknown").
+    Called when the default search runs (:func:`_default_search`), so that the
+    graph-attention half of the package imports with any cotengra."""
+    cls = hyper_optimizer if hyper_optimizer is not None else cotengra.HyperOptimizer
+    param = inspect.signature(cls.__init__).parameters.get("optlib_opts")
+    if param is None or param.kind is inspect.Parameter.VAR_KEYWORD:
+        found = getattr(cotengra, "__version__", "of unknown version")
+        raise ImportError(f"torch_gradops' tensor-network planner needs cotengra>=0.8 (its HyperOptimizer takes "
+                          f"optlib_opts), found {found}: pip install -U 'cotengra>=0.8' (or plan with "
+                          f"optimize='greedy')")
 
 
 class BudgetedHyperOptimizer(cotengra.HyperOptimizer):
@@ -282,7 +281,7 @@ def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: O
     with ``options``, run in turn (:func:`_round_robin`); with ``cache_dir``, each search's tree read
     from and written to its own cotengra ``ReusableHyperOptimizer`` cache there (a search runs
     unless every tree is cached)."""
-    check_cotengra_version(cotengra.__version__)
+    check_cotengra()
     caches = []
     if cache_dir is not None:
         caches = [cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **o)
