@@ -162,11 +162,14 @@ def test_dropout_matches_reference_with_the_ops_mask(device):
     torch.testing.assert_close(out_eval, gat_reference(x, a_src, a_dst, ei, nd, 0.2, el)[0])
 
 
-def test_dropout_rate_and_seed():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_rate_and_seed(device):
+    """Attention dropout drops each (edge, head) with probability p (the mask is drawn per device:
+    straight into a bool tensor on CUDA) and follows torch's seed."""
     ns = nd = 200
-    ei = torch.stack([torch.arange(ns).repeat_interleave(50), torch.randint(0, nd, (ns * 50,))])
+    ei = torch.stack([torch.arange(ns).repeat_interleave(50), torch.randint(0, nd, (ns * 50,))]).to(device)
     graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
-    x, a_src, a_dst, _ = make_inputs(ns, nd, ei.size(1), 4, 2, torch.float32, "cpu", edge_logits=False)
+    x, a_src, a_dst, _ = make_inputs(ns, nd, ei.size(1), 4, 2, torch.float32, device, edge_logits=False)
     for p in (0.1, 0.6):
         _, alpha = tg.gat_attention(x, a_src, a_dst, graph, dropout=p, training=True, return_attention=True)
         dropped = (alpha == 0).double().mean().item()

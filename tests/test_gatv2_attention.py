@@ -301,11 +301,13 @@ def test_dropout_matches_reference_with_the_ops_mask(device):
     torch.testing.assert_close(call(inputs, graph, dropout=p, training=False), reference(inputs, ei, nd)[0])
 
 
-def test_dropout_rate_and_seed():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_rate_and_seed(device):
+    """As GAT's: each (edge, head) dropped with probability p, the draw following torch's seed."""
     ns = nd = 200
-    ei = torch.stack([torch.arange(ns).repeat_interleave(50), torch.randint(0, nd, (ns * 50,))])
+    ei = torch.stack([torch.arange(ns).repeat_interleave(50), torch.randint(0, nd, (ns * 50,))]).to(device)
     graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
-    inputs = make_inputs(ns, nd, ei.size(1), 4, 2, torch.float32, "cpu", edge_mode="none")
+    inputs = make_inputs(ns, nd, ei.size(1), 4, 2, torch.float32, device, edge_mode="none")
     for p in (0.1, 0.6):
         _, alpha = call(inputs, graph, dropout=p, training=True, return_attention=True)
         dropped = (alpha == 0).double().mean().item()

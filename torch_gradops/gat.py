@@ -675,6 +675,20 @@ def _check_primitive_args(graph, **tensors):
 
 
 # ---------------------------------------------------------------------------- public API
+def _dropout_mask(num_edges: int, heads: int, dropout: float, device: torch.device) -> Tuple[torch.Tensor, float]:
+    """``(keep [num_edges, heads] bool, scale)``: attention dropout's kept edges, each with
+    probability ``1 - dropout`` as ``F.dropout`` keeps elements, and the scale of the kept ones.
+    On CUDA the draw goes straight into the bool mask: ``rand >= dropout`` first holds a float
+    per element, 4 bytes per edge and head (1.6 GB at E = 50M, H = 8). On the CPU, whose
+    ``bernoulli_`` into bool runs serially (0.29 s against 0.17 s at E = 2M, H = 8, 2 threads),
+    and while compiling (Inductor fuses the comparison), it is ``rand >= dropout``."""
+    if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
+        keep = torch.empty((num_edges, heads), dtype=torch.bool, device=device).bernoulli_(1.0 - dropout)
+    else:
+        keep = torch.rand((num_edges, heads), device=device) >= dropout
+    return keep, 1.0 / (1.0 - dropout)
+
+
 def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
     if not isinstance(graph, BipartiteCSC):
         raise TypeError(f"graph must be a torch_gradops.BipartiteCSC, got {type(graph).__name__}")
@@ -748,8 +762,7 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
     mask = None
     scale = 1.0
     if training and dropout > 0.0:
-        mask = torch.rand((graph.num_edges, heads), device=x_src.device) >= dropout
-        scale = 1.0 / (1.0 - dropout)
+        mask, scale = _dropout_mask(graph.num_edges, heads, dropout, x_src.device)
     grad_inputs = [t for t in (x_src, a_src, a_dst, edge_logits) if t is not None]
     compiling = torch.compiler.is_compiling()
     how = route(grad_inputs)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from ._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
 from ._edge_chunks import EdgeChunks, EdgeMap, EdgeMapSpec, chunk_size, node_ranges
 from ._segments import gather_rows, index_add_rows, plain_tensor, sum_sorted_rows
-from .gat import (_attend_composite, _composite_edges, _cugraph_inputs, _edge_aggregate, _edge_dot, _Edges,
-                  _EdgeSoftmax, _fold_heads, _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads,
+from .gat import (_attend_composite, _composite_edges, _cugraph_inputs, _dropout_mask, _edge_aggregate, _edge_dot,
+                  _Edges, _EdgeSoftmax, _fold_heads, _leaky_relu_grad, _prepare_graph, _softmax_jvp, _unfold_heads,
                   _vmap_per_item)
 from .graph import BipartiteCSC, csc_destinations
 from .library import check_backend, ops
@@ -588,8 +588,7 @@ def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope:
     mask = None
     scale = 1.0
     if training and dropout > 0.0:
-        mask = torch.rand((graph.num_edges, heads), device=x_src.device) >= dropout
-        scale = 1.0 / (1.0 - dropout)
+        mask, scale = _dropout_mask(graph.num_edges, heads, dropout, x_src.device)
     diff = (x_src, x_dst, att, ea, edge_weight)
     compiling = torch.compiler.is_compiling()
     # (GATv2's jvp, composite in chunks, has no batching rule under jacrev(jacfwd(f)).)
