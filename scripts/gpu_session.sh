@@ -151,9 +151,9 @@ for s in "$@"; do
   esac
 done
 cp benchmarks/results/*cuda*.json "$LOGDIR"/ 2>/dev/null
-tar -czf gpu_logs.tar.gz -C "$(dirname "$LOGDIR")" "$(basename "$LOGDIR")"
+tar -czf "$LOGDIR.tar.gz" -C "$(dirname "$LOGDIR")" "$(basename "$LOGDIR")"  # gpu_logs.tar.gz by default
 if [ -n "${OUT:-}" ]; then
-  cp gpu_logs.tar.gz "$SUMMARY" "$OUT"/
+  cp "$LOGDIR.tar.gz" "$SUMMARY" "$OUT"/
 fi
 cat "$SUMMARY"
 exit "$failed"

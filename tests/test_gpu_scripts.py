@@ -57,6 +57,20 @@ def test_gpu_session_refuses_unknown_stages(tmp_path):
     assert not (tmp_path / "logs" / "smoke.log").exists()  # nothing ran
 
 
+def test_gpu_session_returns_each_stages_summary(tmp_path):
+    """The device tool returns what $OUT holds when a call ends, also when it is cut off at its
+    limit: summary.txt and the last stage's log go there after every stage, not only at the end.
+    (A python that fails stands in for the GPU machine's: the stage fails, its record stays.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    r = _run(["bash", "scripts/gpu_session.sh", "smoke"],
+             env={**os.environ, "PYTHON": "false", "LOGDIR": str(tmp_path / "logs"), "OUT": str(out)})
+    assert r.returncode == 1, r.stdout + r.stderr  # one failed stage
+    assert "smoke        rc=1" in (out / "summary.txt").read_text()
+    assert "== smoke: false scripts/cuda_smoke.py" in (out / "last_stage.log").read_text()
+    assert (out / "logs.tar.gz").exists() and (tmp_path / "logs.tar.gz").exists()
+
+
 def test_gpu_session_is_valid_bash():
     assert _run(["bash", "-n", "scripts/gpu_session.sh"]).returncode == 0
 
