@@ -28,7 +28,7 @@ def _find_cuda_home():
 _find_cuda_home()
 
 import torch  # noqa: E402  (after CUDA_HOME is settled: cpp_extension reads it at import)
-from setuptools import find_packages, setup  # noqa: E402
+from setuptools import find_namespace_packages, setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -110,7 +110,9 @@ def extensions():
 
 
 setup(
-    packages=find_packages(include=["torch_gradops", "torch_gradops.*"]),
+    # namespace discovery: torch_gradops/data/planetoid (Cora, no __init__.py) is a package whose
+    # files are package data; find_packages skipped it and setuptools warns it "would be ignored"
+    packages=find_namespace_packages(include=["torch_gradops", "torch_gradops.*"], exclude=["*__pycache__*"]),
     ext_modules=extensions(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     include_package_data=True,
