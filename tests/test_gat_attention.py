@@ -782,14 +782,13 @@ def test_forward_edge_batches_agree_bitwise(device, tmp_path):
     import subprocess
     import sys
 
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's torch_gradops
+    base = {k: v for k, v in os.environ.items() if k != "TORCH_GRADOPS_CUDA_EDGE_BATCH"}
+    base["PYTHONPATH"] = os.pathsep.join(p for p in (root, base.get("PYTHONPATH")) if p)
     runs = []
     for batch in (None, "1"):
-        env = {k: v for k, v in os.environ.items() if k != "TORCH_GRADOPS_CUDA_EDGE_BATCH"}
-        if batch is not None:
-            env["TORCH_GRADOPS_CUDA_EDGE_BATCH"] = batch
+        env = base if batch is None else dict(base, TORCH_GRADOPS_CUDA_EDGE_BATCH=batch)
         path = tmp_path / f"batch_{batch}.pt"
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout's torch_gradops
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         subprocess.run([sys.executable, "-c", EDGE_BATCH_SCRIPT, str(path), device], check=True, env=env, cwd=root,
                        timeout=600)
         runs.append(torch.load(path))
