@@ -6,6 +6,7 @@ build of torch are present; ``TORCH_GRADOPS_CUDA=0|1`` forces either way.
 import glob
 import os
 import shutil
+import subprocess
 import sys
 
 
@@ -85,13 +86,35 @@ def _cpu_arch_flags():
         else ["-march=x86-64-v3"]
 
 
+def _shared_libstdcxx():
+    """Link flags that bind libstdc++ to the shared libstdc++.so.6 that torch itself uses.
+
+    On the GPU machine (2026-11-27: Ubuntu's Python 3.12, torch 2.11, g++ 13) the first error
+    message with a number in it crashed the process (SIGSEGV), and the backtrace placed
+    libstdc++'s ostream and codecvt code inside this extension: a static copy of libstdc++
+    mixed with the shared one. Naming the shared library before the compiler driver's own
+    -lstdc++ resolves every libstdc++ symbol there, so no archive member is pulled in, whatever
+    the environment adds (-static-libstdc++, a directory holding only libstdc++.a).
+    tests/test_build.py checks the built module."""
+    if not sys.platform.startswith("linux"):
+        return []
+    cxx = os.environ.get("CXX", "c++").split()
+    try:
+        path = subprocess.run(cxx + ["-print-file-name=libstdc++.so.6"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    # a compiler that does not know the file prints the bare name back
+    return [os.path.realpath(path)] if os.path.isabs(path) and os.path.exists(path) else []
+
+
 def extensions():
     with_cuda = _want_cuda()
     sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")) + glob.glob(os.path.join("csrc", "cpu", "*.cpp")))
     # -fno-trapping-math: nothing here reads FP exception flags, and it lets GCC turn float
     # selects (clamps, masks) into vector blends. The C++ standard is BuildExtension's choice.
     cxx = ["-O3", "-fno-trapping-math", "-fopenmp"] + _cpu_arch_flags()
-    link = ["-fopenmp"]
+    link = ["-fopenmp"] + _shared_libstdcxx()
     define_macros = []
     if not with_cuda:
         return [CppExtension("torch_gradops._C", sources, include_dirs=[os.path.join(ROOT, "csrc")],

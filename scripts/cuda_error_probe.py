@@ -2,16 +2,18 @@
 
     python scripts/cuda_error_probe.py [--cpu-only]
 
-On the H100 machine (torch 2.11, Python 3.12) the first raw-op call with a bad argument
-(``ops.gat_forward`` with a short ``indptr``, CPU tensors) ended the test process with a
-segmentation fault instead of a RuntimeError; the same build without a GPU, torch 2.11 and the
-same call on Python 3.11 raise it. Each case runs in a fresh process, so one crash does not
-hide the others: a bad call on the CPU before and after CUDA is initialised, a bad call on
-CUDA tensors, a C++ check of the contraction compiler (a pybind function, not an op), and the
-same with ``TORCH_SHOW_CPP_STACKTRACES=1``. Prints one line per case (``raised``, ``crashed
-(signal N)`` or ``no error``) and, for a crash, the native backtrace from cuda-gdb when it is
-on the PATH. Exit status: the number of cases that did not raise. ``--cpu-only`` runs the cases
-that need no GPU, once (how the tests check the script itself).
+On the GPU machines (H100 2026-11-24, H200 2026-11-27; torch 2.11, Ubuntu's Python 3.12) the
+first raw-op call with a bad argument (``ops.gat_forward`` with a short ``indptr``) ended the
+process with a segmentation fault instead of a RuntimeError, on CPU and CUDA tensors alike,
+while the contraction compiler's error (a pybind function whose message is built without an
+ostream) was raised. The backtrace placed libstdc++'s ostream code inside the extension (see
+setup.py's _shared_libstdcxx). Each case runs in a fresh process, so one crash does not hide
+the others: a bad call on the CPU before and after CUDA is initialised, a bad call on CUDA
+tensors, the contraction compiler's check, and the same with ``TORCH_SHOW_CPP_STACKTRACES=1``.
+Prints one line per case (``raised``, ``crashed (signal N)`` or ``no error``) and, for the first
+crash, the native backtrace from cuda-gdb when it is on the PATH. Exit status: the number of
+cases that did not raise. ``--cpu-only`` runs the cases that need no GPU, once (how the tests
+check the script itself).
 """
 from __future__ import annotations
 
@@ -69,7 +71,7 @@ def main() -> int:
     parser.add_argument("--cpu-only", action="store_true", help="only the cases that need no GPU, once")
     args = parser.parse_args()
     cases = {k: v for k, v in CASES.items() if not (args.cpu_only and "cuda" in v)}
-    bad = 0
+    bad, traced = 0, False
     for stack in ("0",) if args.cpu_only else ("0", "1"):
         env = dict(os.environ, TORCH_SHOW_CPP_STACKTRACES=stack)
         for name, code in cases.items():
@@ -77,7 +79,8 @@ def main() -> int:
             print(f"{name:32s} TORCH_SHOW_CPP_STACKTRACES={stack}: {result}", flush=True)
             if rc:
                 bad += 1
-            if rc < 0 and shutil.which("cuda-gdb"):
+            if rc < 0 and not traced and shutil.which("cuda-gdb"):  # one backtrace: each takes about 30 s there
+                traced = True
                 with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
                     f.write(SETUP + "\n" + code + "\n")
                 gdb = subprocess.run(["cuda-gdb", "-batch", "-ex", "run", "-ex", "bt 40", "--args", sys.executable,

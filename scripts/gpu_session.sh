@@ -3,7 +3,8 @@
 # PyTorch and which has no package registry (the README's "GPU validation" section):
 #
 #   bash scripts/gpu_session.sh STAGE...        stages run in the order given:
-#     build      pip install --no-build-isolation --no-deps -e . for the visible GPU's architecture
+#     build      pip install --no-build-isolation --no-deps -e . for the visible GPU's architecture, then
+#                how libstdc++ was linked (tests/test_build.py, the link line, the flags)
 #     smoke      scripts/cuda_smoke.py: every kernel once, checked against the CPU kernels
 #     cuda-tests pytest -m cuda (the CUDA cases of the test suite)
 #     suite      the whole test suite with the GPU visible (pytest-xdist's 8 workers where it is
@@ -36,15 +37,18 @@
 # summary.txt, to $OUT when that is set (the device tool returns at most 8 files).
 # A failing stage does not stop the later ones (a failed build does). Exit status: the number of
 # failed stages. A lent machine runs a call for at most 10 minutes and stays warm (keeping the
-# build) for 30 s after it; a session has 15 device-minutes in all, its start included. Stage
-# times measured on the H100 (2026-11-24): build 79 s, import 13 s, smoke 35 s, cuda-tests 81 s,
-# sanitize 99 s, bench-gat 210 s, bench-conv 143-153 s per layer (errors and bench-gatv2 not yet
-# timed there). In 15 minutes, with the device tool's timeout_s at 600:
-#   call 1 (about 5 min measured, plus errors): build errors smoke cuda-tests sanitize
+# build) for 30 s after it; a session has 15 device-minutes in all, its start included (about
+# 30 s). Stage times measured on the H100 (2026-11-24): build 79 s, import 13 s, smoke 35 s,
+# cuda-tests 81 s, sanitize 99 s, bench-gat 210 s, bench-conv 143-153 s per layer; on the H200
+# (2026-11-27): build 64 s, import 9 s, errors 192 s (six cuda-gdb backtraces; now one, so about
+# 60 s), smoke 53 s, cuda-tests 95 s, sanitize's memcheck 31 s, racecheck over 90 s. In 15
+# minutes, with the device tool's timeout_s at 600:
+#   call 1 (about 6 min): build errors cuda-tests sanitize
 #   call 2, at once (bench-conv-gatv2 about 2.5 min, bench-gatv2 untimed): bench-conv-gatv2 bench-gatv2
 # and in a later session: suite, bench-gat, bench-gat-bf16, bench-conv, the tensor-network stages.
-# The stages' own time limits add up to more than one call may run: summary.txt and the last
-# stage's log go to $OUT after every stage, so a call cut off at its limit still returns them.
+# The stages' own time limits add up to more than one call may run: summary.txt, the last
+# stage's log and an archive of every log so far go to $OUT after every stage, so a call cut off
+# at its limit still returns them.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
@@ -86,6 +90,7 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: run, log, time and record one stag
   if [ -n "${OUT:-}" ]; then  # after every stage: a call cut off at the tool's limit still returns these
     cp "$SUMMARY" "$OUT"/ 2>/dev/null
     cp "$LOGDIR/$name.log" "$OUT/last_stage.log" 2>/dev/null
+    tar -czf "$OUT/$(basename "$LOGDIR").tar.gz" -C "$(dirname "$LOGDIR")" "$(basename "$LOGDIR")" 2>/dev/null
   fi
   tail -n 3 "$LOGDIR/$name.log"
   [ "$rc" = 0 ] || failed=$((failed + 1))
@@ -110,9 +115,14 @@ esac
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1; } >>"$SUMMARY"
 for s in "$@"; do
   case "$s" in
-    build) stage build 540 "$PY" -m pip install --no-build-isolation --no-deps -e . \
+    build) stage build 540 "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
              && stage import 60 "$PY" -c 'import torch_gradops as t; assert t.built_with_cuda(), "no CUDA kernels"' \
-             || break ;;
+             || break
+           # how libstdc++ was linked (a static copy crashed the first error message there)
+           stage linkage 120 bash -c '"$0" -c "import sysconfig; print(\"LDSHARED:\", sysconfig.get_config_var(\"LDSHARED\"))"
+             env | grep -E "^(LD|C|CXX|CPP)FLAGS=|^CXX=|^CC=" ; c++ --version | head -1
+             echo "libstdc++.so.6: $(c++ -print-file-name=libstdc++.so.6)"; grep -E " -shared .*_C\." "$1/build.log" | tail -1
+             "$0" -m pytest -q -p no:cacheprovider tests/test_build.py' "$PY" "$LOGDIR" ;;
     smoke) stage smoke 300 "$PY" scripts/cuda_smoke.py ;;
     cuda-tests) stage cuda-tests 420 "$PY" -m pytest -q -m cuda -p no:cacheprovider ;;
     suite) workers=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null)

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 
 import pytest
 
@@ -69,6 +70,8 @@ def test_gpu_session_returns_each_stages_summary(tmp_path):
     assert "smoke        rc=1" in (out / "summary.txt").read_text()
     assert "== smoke: false scripts/cuda_smoke.py" in (out / "last_stage.log").read_text()
     assert (out / "logs.tar.gz").exists() and (tmp_path / "logs.tar.gz").exists()
+    with tarfile.open(out / "logs.tar.gz") as tar:
+        assert "logs/smoke.log" in tar.getnames()
 
 
 def test_gpu_session_is_valid_bash():
