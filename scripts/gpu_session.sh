@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_session.sh STAGE...        stages run in the order given:
 #     build      pip install --no-build-isolation --no-deps -e . for the visible GPU's architecture, then
-#                how libstdc++ was linked (tests/test_build.py, the link line, the flags)
+#                how libstdc++ was linked: the flags, scripts/libstdcxx_link_check.py (the logged link
+#                command relinked with and without setup.py's explicit libstdc++.so.6), tests/test_build.py
 #     smoke      scripts/cuda_smoke.py: every kernel once, checked against the CPU kernels
 #     cuda-tests pytest -m cuda (the CUDA cases of the test suite)
 #     suite      the whole test suite with the GPU visible (pytest-xdist's 8 workers where it is
@@ -121,8 +122,10 @@ for s in "$@"; do
            # how libstdc++ was linked (a static copy crashed the first error message there)
            stage linkage 120 bash -c '"$0" -c "import sysconfig; print(\"LDSHARED:\", sysconfig.get_config_var(\"LDSHARED\"))"
              env | grep -E "^(LD|C|CXX|CPP)FLAGS=|^CXX=|^CC=" ; c++ --version | head -1
-             echo "libstdc++.so.6: $(c++ -print-file-name=libstdc++.so.6)"; grep -E " -shared .*_C\." "$1/build.log" | tail -1
-             "$0" -m pytest -q -p no:cacheprovider tests/test_build.py' "$PY" "$LOGDIR" ;;
+             env | grep -E "^(LIBRARY_PATH|LD_LIBRARY_PATH)="; echo "libstdc++.so.6: $(c++ -print-file-name=libstdc++.so.6)"
+             echo "libstdc++.so: $(c++ -print-file-name=libstdc++.so)  libstdc++.a: $(c++ -print-file-name=libstdc++.a)"
+             "$0" scripts/libstdcxx_link_check.py "$1/build.log"; rc=$?
+             "$0" -m pytest -q -p no:cacheprovider tests/test_build.py && exit $rc' "$PY" "$LOGDIR" ;;
     smoke) stage smoke 300 "$PY" scripts/cuda_smoke.py ;;
     cuda-tests) stage cuda-tests 420 "$PY" -m pytest -q -m cuda -p no:cacheprovider ;;
     suite) workers=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null)
