@@ -229,3 +229,89 @@ def check_inference_pass_then_training(pyg_cls, our_cls):
         (out.sum() + alpha.sum()).backward()
     close(outs[1][0], outs[0][0])
     close(xs[1].grad, xs[0].grad)
+
+
+_SCRIPT_OUTCOME = """
+import sys, warnings
+from typing import Optional
+import torch
+from torch import Tensor
+warnings.simplefilter("ignore")
+import torch_geometric.nn as pyg_nn
+import torch_gradops.nn as our_nn
+
+
+class Model(torch.nn.Module):  # as PyG's layer tests script a layer: inside a module
+    def __init__(self, conv):
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x: Tensor, edge_index: Tensor, edge_attr: Optional[Tensor] = None) -> Tensor:
+        return self.conv(x, edge_index, edge_attr)
+
+
+which, name, edge_dim = sys.argv[1], sys.argv[2], int(sys.argv[3])
+torch.manual_seed(0)
+kw = dict(edge_dim=edge_dim) if edge_dim else {}
+layer = getattr(pyg_nn if which == "pyg" else our_nn, name)(6, 3, heads=2, **kw)
+x, ei = torch.randn(5, 6), torch.tensor([[0, 1, 2, 3, 4, 0], [1, 2, 3, 4, 0, 2]])
+ea = torch.randn(6, edge_dim) if edge_dim else None
+expected = layer(x, ei, ea)
+try:
+    scripted = torch.jit.script(Model(layer))
+except Exception as e:
+    print("error:", next(line for line in str(e).splitlines() if line.strip()))
+else:
+    ours = dict(layer.named_parameters())
+    shared = all(p.data_ptr() == ours[k[len("conv."):]].data_ptr() for k, p in scripted.named_parameters())
+    print("scripted: max difference %.1e, parameters shared: %s" % ((scripted(x, ei, ea) - expected).abs().max(), shared))
+"""
+
+
+def _script_outcome(which, name, edge_dim, tmp_path):
+    """``torch.jit.script`` of a module holding PyG's or our layer ``name``, in a fresh process (a
+    failed script leaves a half-compiled class behind that breaks the next one): its error's first
+    line, or the scripted module's largest difference from the eager layer and whether they share
+    parameters."""
+    import os
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    script = tmp_path / "script_outcome.py"  # TorchScript reads the module's source from a file
+    script.write_text(_SCRIPT_OUTCOME)
+    r = subprocess.run([sys.executable, str(script), which, name, str(edge_dim)], capture_output=True,
+                       text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    return r.stdout.strip().splitlines()[-1]
+
+
+def check_torchscript_like_pyg(pyg_cls, our_cls, tmp_path=None, **kw):
+    """``torch.jit.script`` of our layer compiles PyG's layer class over our layer's own
+    parameters (``__prepare_scriptable__``): the twin is a working PyG layer whose parameters are
+    ours (same outputs), and preparing it draws no random number. With ``tmp_path``, in fresh
+    processes: where PyG's layer scripts, ours scripts too, with the eager outputs and shared
+    parameters; where PyG's does not (torch 2.14's TorchScript with PyG 2.8.1: "Could not cast
+    value of type Optional[Tensor] to bool"), ours fails with the same error."""
+    theirs, ours = make_pair(pyg_cls, our_cls, 6, 3, heads=2, **kw)
+    x, ei = torch.randn(5, 6), torch.tensor([[0, 1, 2, 3, 4, 0], [1, 2, 3, 4, 0, 2]])
+    extra = (torch.randn(6, kw["edge_dim"]),) if kw.get("edge_dim") else ()
+    expected = ours(x, ei, *extra)
+    rng = torch.random.get_rng_state()
+    twin = ours.__prepare_scriptable__()
+    assert torch.equal(rng, torch.random.get_rng_state())
+    assert type(twin) is pyg_cls and twin is not ours
+    mine = dict(ours.named_parameters())
+    assert dict(twin.named_parameters()).keys() == mine.keys()
+    assert all(p is mine[k] for k, p in twin.named_parameters())
+    close(twin(x, ei, *extra), expected, msg="PyG's forward over our parameters")
+    close(ours(x, ei, *extra), expected, msg="ours after preparing the twin")
+    if tmp_path is not None:
+        name, edge_dim = our_cls.__name__, kw.get("edge_dim") or 0
+        theirs_outcome = _script_outcome("pyg", name, edge_dim, tmp_path)
+        ours_outcome = _script_outcome("ours", name, edge_dim, tmp_path)
+        if theirs_outcome.startswith("error"):
+            assert ours_outcome == theirs_outcome
+        else:
+            assert ours_outcome.startswith("scripted") and ours_outcome.endswith("shared: True"), ours_outcome
+            assert float(ours_outcome.split("difference ")[1].split(",")[0]) < 1e-5, ours_outcome
