@@ -6,8 +6,8 @@ Reads the link command of ``torch_gradops/_C*.so`` from a verbose build log (``p
 or ``setup.py build_ext``), and links the same objects twice into a temporary folder: as the
 command stands (setup.py adds the shared ``libstdc++.so.6`` by its path, ``_shared_libstdcxx``)
 and without that path, as the build did before. For each it prints whether the module needs
-``libstdc++.so.6`` and how many of libstdc++'s own symbols it defines (tests/test_build.py's
-check). On the GPU machine an argument error crashed with SIGSEGV in libstdc++ code that the
+``libstdc++.so.6`` and how many of libstdc++'s own symbols it defines (:func:`inspect`, also
+what tests/test_build.py checks of the built module). On the GPU machine an argument error crashed with SIGSEGV in libstdc++ code that the
 backtrace placed inside the module; a default link with copies there confirms the cause.
 Exit status 0 when the command as built carries no copy.
 """
@@ -20,6 +20,9 @@ import subprocess
 import sys
 import tempfile
 
+# mangled-name prefixes of libstdc++'s own (non-template) classes: std::locale, std::ios_base,
+# std::codecvt, and the explicitly instantiated ostream inserters. A module that defines any of
+# them carries libstdc++'s archive code.
 LIBSTDCXX_OWN = ("_ZNSt6locale", "_ZNKSt6locale", "_ZNSt8ios_base", "_ZNKSt7codecvt", "_ZNSo9_M_insert")
 
 
