@@ -45,8 +45,10 @@
 # 60 s), smoke 53 s, cuda-tests 95 s, sanitize's memcheck 31 s, racecheck over 90 s. In 15
 # minutes, with the device tool's timeout_s at 600:
 #   call 1 (about 6 min): build errors cuda-tests sanitize
-#   call 2, at once (bench-conv-gatv2 about 2.5 min, bench-gatv2 untimed): bench-conv-gatv2 bench-gatv2
-# and in a later session: suite, bench-gat, bench-gat-bf16, bench-conv, the tensor-network stages.
+#   call 2, at once: suite (never completed on a GPU machine: the errors stage's crash ended it;
+#   pytest-xdist is installed there) then bench-conv-gatv2 (about 2.5 min)
+# and in a later session: bench-gatv2, bench-gat, bench-gat-bf16, bench-conv, the tensor-network
+# stages.
 # The stages' own time limits add up to more than one call may run: summary.txt, the last
 # stage's log and an archive of every log so far go to $OUT after every stage, so a call cut off
 # at its limit still returns them.
