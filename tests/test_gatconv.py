@@ -18,7 +18,7 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
-from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks, check_torchscript_like_pyg,
+from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency,
                          check_inference_tensor_graph_edits, close,
@@ -757,10 +757,3 @@ def test_uncoalesced_coo_adjacency_is_left_untouched():
 
 def test_inference_pass_then_training():
     check_inference_pass_then_training(PyGGATConv, GATConv)
-
-
-@pytest.mark.parametrize("script", [False, True])
-def test_torchscript_scripts_pyg_layer_over_our_parameters(script, tmp_path):
-    """Without ``script`` the twin alone; with it, scripting in fresh processes (edge features)."""
-    kw = dict(edge_dim=3, tmp_path=tmp_path) if script else {}
-    check_torchscript_like_pyg(PyGGATConv, GATConv, **kw)

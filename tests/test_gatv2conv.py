@@ -14,7 +14,7 @@ from torch_geometric.typing import WITH_TORCH_SPARSE  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
 from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
-from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks, check_torchscript_like_pyg,
+from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency,
                          check_inference_tensor_graph_edits, close,
@@ -323,10 +323,3 @@ def test_cached_edge_features_follow_the_dtype():
         clear_csc_cache()
         half(x.half(), ei, ea)
         assert torch.equal(layer(x, ei, ea), ref)
-
-
-@pytest.mark.parametrize("script", [False, True])
-def test_torchscript_scripts_pyg_layer_over_our_parameters(script, tmp_path):
-    """Without ``script`` the twin alone; with it, scripting in fresh processes (edge features)."""
-    kw = dict(edge_dim=3, tmp_path=tmp_path) if script else {}
-    check_torchscript_like_pyg(PyGGATv2Conv, GATv2Conv, **kw)

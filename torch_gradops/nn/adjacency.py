@@ -342,34 +342,7 @@ class FusedMessagePassing:
     """Base of the fused layers, before PyG's layer class: PyG specialises ``propagate()`` and
     ``edge_updater()`` to the calls that ``forward``'s source makes, and the fused ``forward``
     makes none, so the specialised ones took no arguments. The generic ones stay, for PyG's
-    forward when :func:`needs_message_passing` (explainers, MessagePassing hooks). Under
-    ``torch.jit.script`` the layer is PyG's (:meth:`__prepare_scriptable__`)."""
+    forward when :func:`needs_message_passing` (explainers, MessagePassing hooks)."""
 
     def _set_jittable_templates(self, raise_on_error: bool = False) -> None:
         return
-
-    def __prepare_scriptable__(self):
-        """What ``torch.jit.script`` compiles in place of this layer: PyG's own layer class
-        (TorchScript cannot compile the fused op's ``autograd.Function``) holding this layer's
-        parameters, buffers and submodules themselves, not copies, so the scripted module computes
-        PyG's (unfused) forward with them and training it trains this layer.
-
-        torch's scripting puts the returned layer into the scripted parent's ``_modules`` in
-        place: after ``torch.jit.script(model)`` the eager ``model`` holds PyG's layer there too
-        (same parameters, same outputs, unfused). Built without running PyG's constructor on
-        this layer's state, so nothing is initialised again."""
-        pyg_class = next(c for c in type(self).__mro__ if c.__module__.startswith("torch_geometric."))
-        twin = pyg_class.__new__(pyg_class)
-        state = dict(self.__dict__)
-        for name in ("_parameters", "_buffers", "_modules"):  # new dicts (scripting edits _modules), same tensors
-            state[name] = dict(state[name])
-        for name in ("propagate", "edge_updater"):  # methods bound to this layer (explain / decomposed modes)
-            state.pop(name, None)
-        with torch.random.fork_rng(devices=[]):  # no random number drawn for the caller
-            probe = pyg_class(1, 1)
-        # PyG's inspection of its own class: its forward's type comments give the scriptable
-        # propagate's and edge_updater's signatures (this layer's forward has none); it also
-        # made the class's scriptable propagate
-        state["inspector"] = probe.inspector
-        twin.__dict__.update(state)
-        return twin
