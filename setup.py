@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 
 
 def _find_cuda_home():
@@ -98,14 +99,18 @@ def _shared_libstdcxx():
     tests/test_build.py checks the built module."""
     if not sys.platform.startswith("linux"):
         return []
-    cxx = os.environ.get("CXX", "c++").split()
+    # the compiler that links the extension: $CXX, else Python's configured C++ compiler
+    cxx = (os.environ.get("CXX") or sysconfig.get_config_var("CXX") or "c++").split()
     try:
         path = subprocess.run(cxx + ["-print-file-name=libstdc++.so.6"], capture_output=True, text=True,
                               check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
+    except (OSError, subprocess.CalledProcessError) as e:
+        print(f"setup.py: not linking libstdc++.so.6 by path ({' '.join(cxx)}: {e})", file=sys.stderr)
         return []
-    # a compiler that does not know the file prints the bare name back
-    return [os.path.realpath(path)] if os.path.isabs(path) and os.path.exists(path) else []
+    if not (os.path.isabs(path) and os.path.exists(path)):  # the compiler prints the bare name back
+        print(f"setup.py: {' '.join(cxx)} does not know libstdc++.so.6; not linking it by path", file=sys.stderr)
+        return []
+    return [os.path.realpath(path)]
 
 
 def extensions():

@@ -64,7 +64,7 @@ for s in "$@"; do
   case "$s" in
     build|smoke|cuda-tests|suite|errors|sanitize|peers|bench-gat|bench-gat-bf16|bench-gat-ab|bench-gatv2|bench-conv) ;;
     bench-conv-gatv2|bench-conv-scale) ;;
-    bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced|__sanitize) ;;
+    bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced|__sanitize|__linkage) ;;
     *) echo "unknown stage: $s (build smoke cuda-tests suite errors sanitize peers bench-gat bench-gat-bf16 bench-gat-ab bench-conv-scale" \
             "bench-gatv2 bench-conv bench-conv-gatv2 bench-tn-lattice bench-tn-circuit bench-tn-unsliced)" >&2; exit 2 ;;
   esac
@@ -111,8 +111,21 @@ sanitize() {  # (internal stage __sanitize)
   return "$rc"
 }
 
+linkage() {  # (internal stage __linkage) a static libstdc++ copy crashed the first error message there
+  "$PY" -c 'import sysconfig; print("LDSHARED:", sysconfig.get_config_var("LDSHARED"), "CXX:", sysconfig.get_config_var("CXX"))'
+  env | grep -E '^(LD|C|CXX|CPP)FLAGS=|^CXX=|^CC=|^(LIBRARY_PATH|LD_LIBRARY_PATH)='
+  c++ --version | head -n 1
+  echo "libstdc++.so.6: $(c++ -print-file-name=libstdc++.so.6)  libstdc++.so: $(c++ -print-file-name=libstdc++.so)" \
+       " libstdc++.a: $(c++ -print-file-name=libstdc++.a)"
+  local rc=0
+  "$PY" scripts/libstdcxx_link_check.py "$LOGDIR/build.log" || rc=$?
+  "$PY" -m pytest -q -p no:cacheprovider tests/test_build.py || rc=1
+  return "$rc"
+}
+
 case "${1:-}" in  # stages that are shell functions run in a child, under the stage's timeout
   __sanitize) sanitize; exit $? ;;
+  __linkage) linkage; exit $? ;;
 esac
 { echo "# $(date -u +%FT%TZ) $(hostname)"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1; } >>"$SUMMARY"
@@ -121,13 +134,7 @@ for s in "$@"; do
     build) stage build 540 "$PY" -m pip install -v --no-build-isolation --no-deps -e . \
              && stage import 60 "$PY" -c 'import torch_gradops as t; assert t.built_with_cuda(), "no CUDA kernels"' \
              || break
-           # how libstdc++ was linked (a static copy crashed the first error message there)
-           stage linkage 120 bash -c '"$0" -c "import sysconfig; print(\"LDSHARED:\", sysconfig.get_config_var(\"LDSHARED\"))"
-             env | grep -E "^(LD|C|CXX|CPP)FLAGS=|^CXX=|^CC=" ; c++ --version | head -1
-             env | grep -E "^(LIBRARY_PATH|LD_LIBRARY_PATH)="; echo "libstdc++.so.6: $(c++ -print-file-name=libstdc++.so.6)"
-             echo "libstdc++.so: $(c++ -print-file-name=libstdc++.so)  libstdc++.a: $(c++ -print-file-name=libstdc++.a)"
-             "$0" scripts/libstdcxx_link_check.py "$1/build.log"; rc=$?
-             "$0" -m pytest -q -p no:cacheprovider tests/test_build.py && exit $rc' "$PY" "$LOGDIR" ;;
+           stage linkage 120 bash "$0" __linkage ;;  # how libstdc++ was linked
     smoke) stage smoke 300 "$PY" scripts/cuda_smoke.py ;;
     cuda-tests) stage cuda-tests 420 "$PY" -m pytest -q -m cuda -p no:cacheprovider ;;
     suite) workers=$("$PY" -c 'import xdist; print("-n 8")' 2>/dev/null)

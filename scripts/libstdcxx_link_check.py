@@ -3,13 +3,16 @@
     python scripts/libstdcxx_link_check.py BUILD_LOG
 
 Reads the link command of ``torch_gradops/_C*.so`` from a verbose build log (``pip install -v``
-or ``setup.py build_ext``), and links the same objects twice into a temporary folder: as the
-command stands (setup.py adds the shared ``libstdc++.so.6`` by its path, ``_shared_libstdcxx``)
-and without that path, as the build did before. For each it prints whether the module needs
-``libstdc++.so.6`` and how many of libstdc++'s own symbols it defines (:func:`inspect`, also
-what tests/test_build.py checks of the built module). On the GPU machine an argument error crashed with SIGSEGV in libstdc++ code that the
-backtrace placed inside the module; a default link with copies there confirms the cause.
-Exit status 0 when the command as built carries no copy.
+or ``setup.py build_ext``), and links twice into a temporary folder with that command's linker,
+flags and libraries: as the command stands (setup.py adds the shared ``libstdc++.so.6`` by its
+path, ``_shared_libstdcxx``) and without that path, as the build did before. It links the
+logged objects where they still exist; an editable install builds in a temporary folder that is
+gone afterwards, and then a stand-in object that formats a number into an ``ostringstream`` (what
+crashed) takes their place. For each link it prints whether the result needs ``libstdc++.so.6``
+and how many of libstdc++'s own symbols it defines (:func:`inspect`, also what
+tests/test_build.py checks of the built module). On the GPU machine an argument error crashed
+with SIGSEGV in libstdc++ code that the backtrace placed inside the module; a default link with
+copies there confirms the cause. Exit status 0 when the command as built carries no copy.
 """
 from __future__ import annotations
 
@@ -45,6 +48,22 @@ def inspect(path: str) -> tuple:
     return needs, sum(s.startswith(LIBSTDCXX_OWN) for s in defined)
 
 
+STAND_IN = """#include <sstream>
+#include <string>
+std::string torch_gradops_stand_in(long n) { std::ostringstream s; s << "got " << n; return s.str(); }
+"""
+
+
+def with_stand_in(cmd: list, tmp: str) -> list:
+    """``cmd`` with its object files replaced by one stand-in object compiled by its own driver."""
+    src, obj = os.path.join(tmp, "stand_in.cpp"), os.path.join(tmp, "stand_in.o")
+    with open(src, "w") as f:
+        f.write(STAND_IN)
+    subprocess.run([cmd[0], "-c", "-fPIC", "-O2", src, "-o", obj], check=True)
+    first = next(i for i, a in enumerate(cmd) if a.endswith(".o"))
+    return cmd[:first] + [obj] + [a for a in cmd[first:] if not a.endswith(".o")]
+
+
 def main() -> int:
     if len(sys.argv) != 2:
         raise SystemExit(__doc__.split("\n\n")[1])
@@ -52,6 +71,11 @@ def main() -> int:
     explicit = [a for a in cmd if re.search(r"/libstdc\+\+\.so[.\d]*$", a)]
     status = 0
     with tempfile.TemporaryDirectory() as tmp:
+        objects = [a for a in cmd if a.endswith(".o")]
+        if not all(os.path.exists(a) for a in objects):
+            print(f"the logged objects are gone ({len(objects)}, e.g. {objects[0] if objects else '-'}): "
+                  "linking a stand-in object with the logged command's linker, flags and libraries")
+            cmd = with_stand_in(cmd, tmp)
         for name, drop in (("as built", []), ("without the explicit libstdc++.so.6", explicit)):
             argv = [a for a in cmd if a not in drop]
             out_at = argv.index("-o") + 1

@@ -95,12 +95,14 @@ def test_tensornet_benchmark_runs_as_the_gpu_stages_call_it(tmp_path):
     assert len(data["summary"]) == 1 and len(data["summary"][0]["matmul_fraction"]) == 2
 
 
+@pytest.mark.parametrize("gone", [False, True])
 @pytest.mark.parametrize("explicit", [True, False])
-def test_libstdcxx_link_check_tells_the_links_apart(tmp_path, explicit):
+def test_libstdcxx_link_check_tells_the_links_apart(tmp_path, explicit, gone):
     """scripts/libstdcxx_link_check.py (the gpu_session `build` stage) relinks a logged link
     command with and without the explicit libstdc++.so.6: on a stand-in module linked with
     -static-libstdc++, without the path it must see a copy, with it none (exit status 1 when
-    the command as built carries one)."""
+    the command as built carries one). When the logged objects are gone (an editable install
+    builds in a temporary folder), it links its own stand-in object with the logged flags."""
     import shutil
     cxx = shutil.which("c++")
     if cxx is None or shutil.which("nm") is None or shutil.which("readelf") is None:
@@ -108,8 +110,9 @@ def test_libstdcxx_link_check_tells_the_links_apart(tmp_path, explicit):
     src = tmp_path / "f.cpp"
     src.write_text('#include <sstream>\n#include <string>\n'
                    'std::string f(long n) { std::ostringstream s; s << n; return s.str(); }\n')
-    obj = tmp_path / "f.o"
-    subprocess.run([cxx, "-c", "-fPIC", str(src), "-o", str(obj)], check=True)
+    obj = tmp_path / ("gone.o" if gone else "f.o")
+    if not gone:
+        subprocess.run([cxx, "-c", "-fPIC", str(src), "-o", str(obj)], check=True)
     so6 = subprocess.run([cxx, "-print-file-name=libstdc++.so.6"], capture_output=True, text=True).stdout.strip()
     line = f"{cxx} -shared {obj} -static-libstdc++ -o {tmp_path}/_C.cpython-312-x86_64-linux-gnu.so"
     log = tmp_path / "build.log"
@@ -117,6 +120,8 @@ def test_libstdcxx_link_check_tells_the_links_apart(tmp_path, explicit):
     r = _run([sys.executable, "scripts/libstdcxx_link_check.py", str(log)])
     lines = r.stdout.splitlines()
     assert r.returncode == (0 if explicit else 1), r.stdout + r.stderr
+    assert lines[0].startswith("the logged objects are gone") == gone, lines
+    lines = lines[1:] if gone else lines
     assert lines[0].startswith("as built") and lines[1].startswith("without the explicit")
     assert lines[0].endswith("True; libstdc++ symbols defined: 0") == explicit, lines
     assert not lines[1].endswith("defined: 0"), lines  # -static-libstdc++ alone pulls in a copy
