@@ -82,6 +82,13 @@ export PYTHONUNBUFFERED=1 MAX_JOBS="${MAX_JOBS:-16}"
 SIZES="100000:2000000 500000:10000000 2500000:50000000"  # NODES:EDGES of the GAT op benchmark (E = 2M, 10M, 50M)
 
 failed=0
+pack() {  # pack DIR: every log so far as DIR/<LOGDIR's name>.tar.gz (gpu_logs.tar.gz by default)
+  tar -czf "$1/$(basename "$LOGDIR").tar.gz" -C "$(dirname "$LOGDIR")" "$(basename "$LOGDIR")" 2>/dev/null
+}
+conv_gatv2() {  # conv_gatv2 STAGE_NAME: GATv2Conv against PyG's, with and without edge features
+  stage "$1" 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gatv2 --edge-dims 0,16 \
+    --sizes 100000:2000000 --out benchmarks/results/gatv2_conv_cuda.json
+}
 stage() {  # stage NAME TIMEOUT_S COMMAND...: run, log, time and record one stage
   local name=$1 limit=$2
   shift 2
@@ -93,7 +100,7 @@ stage() {  # stage NAME TIMEOUT_S COMMAND...: run, log, time and record one stag
   if [ -n "${OUT:-}" ]; then  # after every stage: a call cut off at the tool's limit still returns these
     cp "$SUMMARY" "$OUT"/ 2>/dev/null
     cp "$LOGDIR/$name.log" "$OUT/last_stage.log" 2>/dev/null
-    tar -czf "$OUT/$(basename "$LOGDIR").tar.gz" -C "$(dirname "$LOGDIR")" "$(basename "$LOGDIR")" 2>/dev/null
+    pack "$OUT"
   fi
   tail -n 3 "$LOGDIR/$name.log"
   [ "$rc" = 0 ] || failed=$((failed + 1))
@@ -114,9 +121,11 @@ sanitize() {  # (internal stage __sanitize)
 linkage() {  # (internal stage __linkage) a static libstdc++ copy crashed the first error message there
   "$PY" -c 'import sysconfig; print("LDSHARED:", sysconfig.get_config_var("LDSHARED"), "CXX:", sysconfig.get_config_var("CXX"))'
   env | grep -E '^(LD|C|CXX|CPP)FLAGS=|^CXX=|^CC=|^(LIBRARY_PATH|LD_LIBRARY_PATH)='
-  c++ --version | head -n 1
-  echo "libstdc++.so.6: $(c++ -print-file-name=libstdc++.so.6)  libstdc++.so: $(c++ -print-file-name=libstdc++.so)" \
-       " libstdc++.a: $(c++ -print-file-name=libstdc++.a)"
+  # the compiler setup.py asks (_shared_libstdcxx): $CXX, else Python's configured one
+  local cxx=${CXX:-$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("CXX") or "c++")')}
+  $cxx --version | head -n 1
+  echo "libstdc++.so.6: $($cxx -print-file-name=libstdc++.so.6)  libstdc++.so: $($cxx -print-file-name=libstdc++.so)" \
+       " libstdc++.a: $($cxx -print-file-name=libstdc++.a)"
   local rc=0
   "$PY" scripts/libstdcxx_link_check.py "$LOGDIR/build.log" || rc=$?
   "$PY" -m pytest -q -p no:cacheprovider tests/test_build.py || rc=1
@@ -162,10 +171,8 @@ for s in "$@"; do
                    --sizes 100000:2000000 500000:10000000 --out benchmarks/results/gatv2_attention_cuda.json ;;
     bench-conv) stage bench-conv 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gat \
                   --sizes 100000:2000000,500000:10000000 --out benchmarks/results/gat_conv_cuda.json
-                stage bench-conv 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gatv2 --edge-dims 0,16 \
-                  --sizes 100000:2000000 --out benchmarks/results/gatv2_conv_cuda.json ;;
-    bench-conv-gatv2) stage bench-conv-gatv2 270 "$PY" benchmarks/gat_conv.py --device cuda --layer gatv2 \
-                        --edge-dims 0,16 --sizes 100000:2000000 --out benchmarks/results/gatv2_conv_cuda.json ;;
+                conv_gatv2 bench-conv ;;
+    bench-conv-gatv2) conv_gatv2 bench-conv-gatv2 ;;
     bench-tn-lattice|bench-tn-circuit|bench-tn-unsliced)
       which=${s#bench-tn-}
       stage "$s" 540 "$PY" benchmarks/tensornet_sliced.py --device cuda --only "$which" --repeat 2 \
@@ -173,7 +180,7 @@ for s in "$@"; do
   esac
 done
 cp benchmarks/results/*cuda*.json "$LOGDIR"/ 2>/dev/null
-tar -czf "$LOGDIR.tar.gz" -C "$(dirname "$LOGDIR")" "$(basename "$LOGDIR")"  # gpu_logs.tar.gz by default
+pack "$(dirname "$LOGDIR")"
 if [ -n "${OUT:-}" ]; then
   cp "$LOGDIR.tar.gz" "$SUMMARY" "$OUT"/
 fi
