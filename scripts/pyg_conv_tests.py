@@ -12,7 +12,7 @@ them, then run with pytest on this checkout's ``torch_gradops``. The run fails i
 tests fail, if a test built PyG's own ``GATConv`` / ``GATv2Conv`` (one that reached PyG's class
 another way than through ``torch_geometric.nn``), or if none built ours. PyG's TorchScript parts
 run only under its ``FULL_TEST=1``, and fail there: ``torch.jit.script`` cannot compile an
-``autograd.Function``. The tests build a counting subclass of each of our layers (named as
+``autograd.Function`` (with torch 2.14.1 and PyG 2.8.1 PyG's own layers fail them too). The tests build a counting subclass of each of our layers (named as
 ours), defined in the ``conftest.py``.
 
 Exit status: pytest's; 3 when a test built PyG's own layer or none built ours.
