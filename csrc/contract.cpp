@@ -25,6 +25,7 @@
 #include <torch/library.h>
 
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <ATen/TensorUtils.h>
 #ifdef _OPENMP
@@ -388,8 +389,14 @@ bool serial_step(const Instr& in, const at::Tensor& like) {
   return macs < serial_gemm_macs() && std::max({bt * m * k, bt * k * n, bt * m * n}) < kSerialStepElems;
 }
 
-// Every entry point's ATen calls skip the autograd and ADInplaceOrView kernels (see the top).
-using ExecutorScope = at::AutoDispatchBelowADInplaceOrView;
+// Every entry point's ATen calls skip the autograd and ADInplaceOrView kernels (see the top), and
+// autocast's: the program runs in its operands' dtype (under torch.autocast a bmm would come back
+// in bfloat16 and its out= variants refuse the float32 buffers; contract() casts the operands
+// itself, as torch.einsum's autocast policy does).
+struct ExecutorScope {
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  c10::impl::ExcludeDispatchKeyGuard no_autocast{c10::autocast_dispatch_keyset};
+};
 
 // GEMMs of at least this many multiply-adds (complex counted 4x) are split across the GEMM team
 // when the executor call holds it (team_threads): about 3 us on one core, where handing a part to a
@@ -659,6 +666,14 @@ bool aliases_operand(const at::Tensor& t, at::TensorList operands) {
   return false;
 }
 
+// The dtype sums over slices run in: float32 for float16/bfloat16 operands (a sum of thousands
+// of slices in 8 mantissa bits loses most of them), the operands' own otherwise.
+at::ScalarType accumulate_type(const at::Tensor& t) { return at::toOpMathType(t.scalar_type()); }
+
+at::Tensor to_dtype_of(const at::Tensor& t, const at::Tensor& like) {
+  return t.scalar_type() == like.scalar_type() ? t : t.to(like.scalar_type());
+}
+
 }  // namespace
 
 at::Tensor finish_single(at::Tensor r, at::TensorList operands) {
@@ -682,12 +697,12 @@ at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at
     const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
     return finish_single(run_slice(P, operands, idx, Mode::kRun), operands);
   }
-  at::Tensor out = at::zeros(P.out_shape, operands[0].options());
+  at::Tensor out = at::zeros(P.out_shape, operands[0].options().dtype(accumulate_type(operands[0])));
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* idx = slice_table.data() + row * P.n_sliced;
     block_of(out, fin, idx).add_(run_slice(P, operands, idx, Mode::kRun));
   }
-  return out;
+  return to_dtype_of(out, operands[0]);
 }
 
 std::vector<char> slot_needs(const Program& P, at::IntArrayRef needs_grad) {
@@ -932,20 +947,23 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
   GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   check_program(P, operands, slice_table);
-  num_rows(P, slice_table);
+  const int64_t rows = num_rows(P, slice_table);
   TORCH_CHECK(static_cast<int64_t>(needs_grad.size()) == P.n_operands,
               "contract_program_backward: needs_grad must have one entry per operand");
   check_shape(grad_out, P.out_shape, "grad_out");
   check_same_device(operands[0], "operand 0", grad_out, "grad_out");
   const std::vector<char> needs = slot_needs(P, needs_grad);
   std::vector<at::Tensor> grads(P.n_operands);
-  for (int64_t i = 0; i < P.n_operands; ++i)
-    grads[i] = needs[i] ? at::zeros_like(operands[i], at::MemoryFormat::Contiguous).resolve_conj()
+  for (int64_t i = 0; i < P.n_operands; ++i)  // summed over the slices in accumulate_type
+    grads[i] = needs[i] ? at::zeros_like(operands[i],
+                                         operands[i].options().dtype(rows > 1 ? accumulate_type(operands[i])
+                                                                               : operands[i].scalar_type()),
+                                         at::MemoryFormat::Contiguous).resolve_conj()
                         : at::empty({0}, operands[i].options());
-  const at::Tensor g_out = grad_out.scalar_type() == operands[0].scalar_type()
-                               ? grad_out
-                               : grad_out.to(operands[0].scalar_type());
+  const at::Tensor g_out = to_dtype_of(grad_out, operands[0]);
   accumulate_gradients(P, operands, slice_table, g_out, needs, cached, grads, nullptr);
+  for (int64_t i = 0; i < P.n_operands; ++i)
+    if (needs[i]) grads[i] = to_dtype_of(grads[i], operands[i]);
   return grads;
 }
 
@@ -967,8 +985,11 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
   std::vector<at::Tensor> into(grads.begin(), grads.end());
   for (int64_t i = 0; i < P.n_operands; ++i) {
     if (!needs[i]) continue;
-    TORCH_CHECK(into[i].sizes() == operands[i].sizes() && into[i].scalar_type() == operands[i].scalar_type(),
-                "contract_program_accumulate: grads[", i, "] must have operand ", i, "'s shape and dtype");
+    // the operand's dtype, or the float32 that float16/bfloat16 gradients are summed in
+    TORCH_CHECK(into[i].sizes() == operands[i].sizes() && (into[i].scalar_type() == operands[i].scalar_type() ||
+                                                           into[i].scalar_type() == accumulate_type(operands[i])),
+                "contract_program_accumulate: grads[", i, "] must have operand ", i, "'s shape and its dtype (",
+                operands[i].scalar_type(), ") or ", accumulate_type(operands[i]), ", got ", into[i].scalar_type());
     check_same_device(operands[0], "operand 0", into[i], "grads");
   }
   if (grad_out.has_value()) {
@@ -979,13 +1000,13 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
     bump_versions(into, needs);
     return at::empty({0}, operands[0].options());
   }
-  at::Tensor value = at::zeros(P.out_shape, operands[0].options());
+  at::Tensor value = at::zeros(P.out_shape, operands[0].options().dtype(accumulate_type(operands[0])));
   TORCH_CHECK(value.numel() == 1, "contract_program_accumulate: without grad_out the output must have one "
               "element, it has shape ", P.out_shape);
   const at::Tensor unit = at::ones(P.out_shape, operands[0].options());
   accumulate_gradients(P, operands, slice_table, unit, needs, {}, into, &value);
   bump_versions(into, needs);
-  return value;
+  return to_dtype_of(value, operands[0]);
 }
 
 }  // namespace torch_gradops

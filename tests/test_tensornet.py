@@ -7,6 +7,7 @@ import math
 import os
 import random
 import string
+import warnings
 
 import pytest
 import torch
@@ -1639,6 +1640,97 @@ def test_low_precision_dtypes(dtype, tol):
         torch.testing.assert_close(x.to(wide), y, rtol=tol, atol=tol * y.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 4e-3), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("expr,slicing", [("ab,bc,ca->", ["a", "c"]),   # one-element output: the fused path
+                                          ("ab,bc->ac", ["b"])])          # the plain path
+@pytest.mark.parametrize("table_rows", [None, 4])                       # one executor call, or several
+def test_half_precision_sums_slices_in_float32(dtype, tol, expr, slicing, table_rows, monkeypatch):
+    """Thousands of slices summed in float16/bfloat16 lose most of them (bfloat16 keeps 8 bits:
+    1024 slices gave 50% error); the executor and the Python side sum in float32, so a sliced
+    result is as accurate as the unsliced one, for values and gradients."""
+    if table_rows is not None:  # several executor calls per group: the Python-side sums too
+        chunks = tn.slicer.Slices.chunks
+        monkeypatch.setattr(tn.slicer.Slices, "chunks", lambda self, s, max_rows=table_rows: chunks(self, s, max_rows))
+    gen = torch.Generator().manual_seed(23)
+    n = 2048 if len(slicing) == 1 else 32
+    shapes = [(32, 32), (32, 32), (32, 32)] if len(slicing) == 2 else [(8, n), (n, 8)]
+    ops64 = [torch.rand(s, dtype=F64, generator=gen) + 0.5 for s in shapes]
+    ops = [o.to(dtype).requires_grad_(True) for o in ops64]
+    p = tn.plan(expr, *ops, slicing=slicing)
+    assert p.num_slices >= 1024
+    rounded = [o.to(dtype).to(F64).requires_grad_(True) for o in ops64]  # the same rounded inputs
+    ref = torch.einsum(expr, *rounded)
+    out = p.contract(*ops)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.to(F64), ref, rtol=tol, atol=0)
+    g_out = torch.ones_like(ref)
+    grads = torch.autograd.grad(out, ops, g_out.to(dtype))
+    refs = torch.autograd.grad(ref, rounded, g_out)
+    via_plan = p.gradients(*[o.detach() for o in ops], output_grad=g_out.to(dtype))
+    for g, h, r in zip(grads, via_plan, refs):
+        assert g.dtype == h.dtype == dtype
+        torch.testing.assert_close(g.to(F64), r, rtol=tol, atol=0)
+        torch.testing.assert_close(h.to(F64), r, rtol=tol, atol=0)
+
+
+@pytest.mark.parametrize("expr", ["ab,bc,cd->ad", "ab,bc,ca->"])
+@pytest.mark.parametrize("memory_limit", [None, 16])
+def test_autocast_follows_einsum(expr, memory_limit):
+    """Under torch.autocast, contract casts float32 operands to autocast's dtype as torch.einsum
+    does, whatever the slicing (the result's dtype once depended on it, and a backward raised
+    "Expected out tensor to have dtype float, but got BFloat16" from inside the executor);
+    gradients reach the float32 leaves. A plan's gradients() run in the operands' dtype."""
+    gen = torch.Generator().manual_seed(29)
+    ops = [torch.randn(s, generator=gen).requires_grad_(True) for s in [(6, 5), (5, 4), (4, 6)]]
+    refs = [o.detach().clone().requires_grad_(True) for o in ops]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = tn.contract(expr, *ops, memory_limit=memory_limit)
+        ref = torch.einsum(expr, *refs)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+    g = torch.randn(ref.shape, generator=gen)
+    grads = torch.autograd.grad(out, ops, g.to(out.dtype))
+    rgrads = torch.autograd.grad(ref, refs, g.to(ref.dtype))
+    for x, y in zip(grads, rgrads):
+        assert x.dtype == y.dtype == torch.float32
+        torch.testing.assert_close(x, y, rtol=2e-2, atol=2e-2 * y.abs().max().item())
+    p = tn.plan(expr, *ops, memory_limit=memory_limit)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert p.contract(*ops).dtype == torch.bfloat16  # plan.contract casts too
+        plain = p.gradients(*[o.detach() for o in ops], output_grad=g)  # the executor in float32
+    for x, o in zip(plain, ops):
+        assert x.dtype == torch.float32
+    _close(plain[0], torch.autograd.grad(torch.einsum(expr, *ops), ops[0], g)[0], rtol=1e-5, atol=1e-5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is not autocast, as for einsum
+        assert tn.contract(expr, *[o.double() for o in ops], memory_limit=memory_limit).dtype == F64
+
+
+@pytest.mark.parametrize("memory_limit", [None, 64])
+def test_vectorized_jacobian_and_batched_grads(memory_limit):
+    """torch.autograd.grad(is_grads_batched=True), jacobian/hessian(vectorize=True) and
+    gradcheck's batched-gradient check run under the legacy vmap, which cannot batch the
+    executor's ops (they take tensor lists): "Batching rule not implemented for
+    torch_gradops::contract_program_backward" before."""
+    from torch.autograd.functional import hessian, jacobian
+    gen = torch.Generator().manual_seed(31)
+    a, b, c = _rand((3, 4), F64, gen), _rand((4, 5), F64, gen), _rand((5, 3), F64, gen)
+    f = lambda x, y: tn.contract("ab,bc,cd->ad", x, y, c, memory_limit=memory_limit)  # noqa: E731
+    ref = lambda x, y: torch.einsum("ab,bc,cd->ad", x, y, c)  # noqa: E731
+    for got, want in zip(jacobian(f, (a, b), vectorize=True), jacobian(ref, (a, b))):
+        _close(got, want)
+    s = lambda x, y: tn.contract("ab,bc,ca->", x, y, c, memory_limit=memory_limit)  # noqa: E731
+    s_ref = lambda x, y: torch.einsum("ab,bc,ca->", x, y, c)  # noqa: E731
+    for row, row_ref in zip(hessian(s, (a, b), vectorize=True), hessian(s_ref, (a, b))):
+        for got, want in zip(row, row_ref):
+            _close(got, want)
+    x = a.clone().requires_grad_(True)
+    v = _rand((6, 3, 3), F64, gen)
+    got, = torch.autograd.grad(f(x, b), x, v, is_grads_batched=True)
+    _close(got, torch.stack([torch.autograd.grad(ref(x, b), x, vi)[0] for vi in v]))
+    assert torch.autograd.gradcheck(lambda x, y: f(x, y), (x, b.clone().requires_grad_(True)),
+                                    check_batched_grad=True)
+
+
 def test_mixed_dtypes_promote():
     a, b = torch.randn(2, 3), torch.randn(3, 4, dtype=F64)
     out = tn.contract("ab,bc->ac", a, b)
@@ -2088,6 +2180,52 @@ def test_empty_path_cache_means_no_disk_cache(tmp_path, monkeypatch):
     expr = ",".join(f"{chr(97 + i)}{chr(98 + i)}" for i in range(12)) + "->"  # a chain worth a search
     tn.plan(expr, *ops, optimize="cotengra", path_cache="")
     assert list(tmp_path.iterdir()) == []  # it wrote torch_gradops-<hash>/ into the current directory
+
+
+def test_options_given_with_a_plan_and_complex_output_grad_are_refused():
+    """contract(..., plan=p, memory_limit=8) ran p and ignored the limit silently; a complex
+    output_grad for a real result lost its imaginary part with only a warning (autograd
+    refuses it)."""
+    a, b = torch.randn(3, 4, dtype=F64), torch.randn(4, 5, dtype=F64)
+    p = tn.plan("ab,bc->ac", a, b)
+    _close(tn.contract("ab,bc->ac", a, b, plan=p), a @ b)
+    for kw in (dict(memory_limit=8), dict(optimize="greedy"), dict(slicing=["b"]), dict(max_overhead=None)):
+        with pytest.raises(ValueError, match=f"plan: {next(iter(kw))} cannot be given with a plan"):
+            tn.contract("ab,bc->ac", a, b, plan=p, **kw)
+    with pytest.raises(TypeError, match="output_grad is complex"):
+        p.gradients(a, b, output_grad=torch.ones(3, 5, dtype=torch.complex128))
+
+
+def test_corrupt_or_unusable_path_cache(tmp_path):
+    """A truncated or corrupt cache entry (an interrupted write) broke every later plan of the
+    network with cotengra's "UnboundLocalError: cannot access local variable 'e'"; now the
+    search runs again, with a warning, and rewrites the entry. A path_cache that is a file, or
+    a folder that cannot be made, is a ValueError naming path_cache (a raw OSError before)."""
+    ops = [torch.randn(2, 2, dtype=F64) for _ in range(12)]
+    expr = ",".join(f"{chr(97 + i)}{chr(98 + i)}" for i in range(12)) + "->"
+    ref = torch.einsum(expr, *ops)
+    tn.clear_plan_cache()
+    first = tn.plan(expr, *ops, optimize="cotengra", path_cache=tmp_path)
+    files = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert files
+    for f in files:
+        f.write_bytes(b"garbage")
+    tn.clear_plan_cache()
+    with pytest.warns(RuntimeWarning, match="path_cache: an entry .* could not be read"):
+        again = tn.plan(expr, *ops, optimize="cotengra", path_cache=tmp_path)
+    assert again.searched and again.path == first.path
+    _close(again.contract(*ops), ref)
+    tn.clear_plan_cache()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not tn.plan(expr, *ops, optimize="cotengra", path_cache=tmp_path).searched  # rewritten
+    not_a_folder = tmp_path / "file"
+    not_a_folder.write_text("")
+    for bad in (not_a_folder, "/proc/torch_gradops_no_such_folder"):
+        tn.clear_plan_cache()
+        with pytest.raises(ValueError, match="path_cache: cannot keep a cache in"):
+            tn.plan(expr, *ops, optimize="cotengra", path_cache=bad)
+    tn.clear_plan_cache()
 
 
 # ---------------------------------------------------------------------------- optimizer options

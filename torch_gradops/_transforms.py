@@ -27,7 +27,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 from torch.autograd import forward_ad
 
-__all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "is_transformed", "has_tangent", "route",
+__all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "is_transformed", "is_legacy_batched", "has_tangent",
+           "route",
            "split_duals", "join_dual"]
 
 FUNCTION, FUSED_JVP, COMPOSITE = "function", "fused_jvp", "composite"
@@ -51,6 +52,15 @@ def is_transformed(t: Optional[torch.Tensor]) -> bool:
     Dynamo cannot ask, and under it the transforms are not traced through our Functions."""
     return t is not None and not torch.compiler.is_compiling() and \
         torch._C._functorch.is_functorch_wrapped_tensor(t)
+
+
+def is_legacy_batched(t: Optional[torch.Tensor]) -> bool:
+    """``t`` is batched by the legacy vmap behind ``torch.autograd.grad(is_grads_batched=True)``
+    and ``torch.autograd.functional.jacobian/hessian(vectorize=True)`` (the ``Batched`` dispatch
+    key, not torch.func's): only ops with batching rules or a for-loop fallback run on it, and
+    there is none for ops taking a list of tensors."""
+    return t is not None and not torch.compiler.is_compiling() and \
+        torch._C._functorch.is_legacy_batchedtensor(t)
 
 
 def has_tangent(t: Optional[torch.Tensor]) -> bool:

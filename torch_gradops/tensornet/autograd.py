@@ -20,11 +20,11 @@ from typing import List, Optional
 
 import torch
 
-from .._transforms import COMPOSITE, FUNCTION, FUSED_JVP, is_transformed, join_dual, route, split_duals
+from .._transforms import COMPOSITE, FUNCTION, FUSED_JVP, is_legacy_batched, is_transformed, join_dual, route, split_duals
 from ..library import ops
 from .parser import apply_steps
 
-__all__ = ["ContractFunction", "contract_prepared", "operand_gradients", "PLAIN", "KEEP", "FUSED"]
+__all__ = ["ContractFunction", "contract_prepared", "operand_gradients", "accumulate_dtype", "PLAIN", "KEEP", "FUSED"]
 
 PLAIN, KEEP, FUSED = "plain", "keep", "fused"
 
@@ -66,17 +66,29 @@ def _engine_needs(ctx, needs):
     return needs
 
 
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums over slices run in: float32 for float16/bfloat16 (complex64 for
+    complex32), as the executor's own (``accumulate_type`` in csrc/contract.cpp)."""
+    return {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+            torch.complex32: torch.complex64}.get(dtype, dtype)
+
+
 def _forward(plan, operands, group) -> torch.Tensor:
-    """The contraction over a slice group, a bounded number of slices per executor call."""
+    """The contraction over a slice group, a bounded number of slices per executor call (the
+    executor sums a call's slices in :func:`accumulate_dtype`, and so does this the calls)."""
     total = None
     for table in plan.slice_set.chunks(group):
         part = ops.contract_program(list(operands), list(plan.program), list(table))
-        total = part if total is None else total.add_(part)
-    return total if total is not None else operands[0].new_zeros(plan.output_shape)
+        if total is None:
+            total = part
+        else:
+            total = total.to(accumulate_dtype(part.dtype)).add_(part)
+    return total.to(operands[0].dtype) if total is not None else operands[0].new_zeros(plan.output_shape)
 
 
 def _backward(plan, operands, group, grad_out, needs, kept=()) -> List[torch.Tensor]:
-    """Operand gradients over a slice group under ``grad_out`` (entries not in ``needs``: empty)."""
+    """Operand gradients over a slice group under ``grad_out`` (entries not in ``needs``: empty),
+    summed over the slices in :func:`accumulate_dtype`."""
     grad_out = grad_out.to(operands[0].dtype)
     tables = plan.slice_set.chunks(group)
     first = next(tables, None)
@@ -84,9 +96,13 @@ def _backward(plan, operands, group, grad_out, needs, kept=()) -> List[torch.Ten
         return [torch.zeros_like(op) if n else op.new_empty((0,)) for op, n in zip(operands, needs)]
     grads = ops.contract_program_backward(list(operands), list(plan.program), list(first), grad_out,
                                           [int(n) for n in needs], list(kept))
+    widened = False
     for table in tables:  # further chunks add into the same buffers
+        if not widened:
+            grads = [g.to(accumulate_dtype(g.dtype)) if n else g for g, n in zip(grads, needs)]
+            widened = True
         ops.contract_program_accumulate(list(operands), list(plan.program), list(table), grad_out, grads)
-    return grads
+    return [g.to(op.dtype) if n else g for g, op, n in zip(grads, operands, needs)]
 
 
 class ContractFunction(torch.autograd.Function):
@@ -109,16 +125,16 @@ class ContractFunction(torch.autograd.Function):
             out, kept = ops.contract_program_cached(list(operands), list(plan.program), list(table),
                                                     [int(t.requires_grad) for t in operands])
             return (out, *kept)
-        if mode == FUSED:
-            units = [torch.zeros_like(t, memory_format=torch.contiguous_format) if t.requires_grad
-                     else t.new_empty((0,)) for t in operands]
+        if mode == FUSED:  # value and gradients summed over the slices in accumulate_dtype
+            units = [torch.zeros_like(t, dtype=accumulate_dtype(t.dtype), memory_format=torch.contiguous_format)
+                     if t.requires_grad else t.new_empty((0,)) for t in operands]
             value = None
             for table in plan.slice_set.chunks(slices):
                 part = ops.contract_program_accumulate(list(operands), list(plan.program), list(table), None, units)
-                value = part if value is None else value.add_(part)
+                value = part if value is None else value.to(accumulate_dtype(part.dtype)).add_(part)
             if value is None:
                 value = operands[0].new_zeros(plan.output_shape)
-            return (value, *units)
+            return (value.to(operands[0].dtype), *(u.to(t.dtype) for u, t in zip(units, operands)))
         return (_forward(plan, operands, slices),)
 
     @staticmethod
@@ -138,7 +154,11 @@ class ContractFunction(torch.autograd.Function):
         needs = _engine_needs(ctx, ctx.needs_input_grad[3:])
         if grad_out is None or not any(needs):
             return (None, None, None) + (None,) * len(operands)
-        if torch.is_grad_enabled() or is_transformed(grad_out):
+        if ctx.mode != FUSED and is_legacy_batched(grad_out):
+            # is_grads_batched / vectorize=True: the executor's ops take tensor lists, which that
+            # vmap cannot batch; PyTorch's autograd of the einsum steps can (unsliced)
+            grads = _composite_gradients(ctx.plan, list(operands), grad_out, ctx.slices, needs)
+        elif torch.is_grad_enabled() or is_transformed(grad_out):
             # create_graph=True, or a batched/dual output gradient (torch.func, gradcheck's
             # batched checks): gradients as contractions through this Function, whose vmap and
             # jvp rules apply; the fused backward ops have no batching rule
@@ -208,6 +228,18 @@ def _derivative_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[t
             g = g.permute([target.index(m) for m in modes])
         grads.append(g)
     return grads
+
+
+def _composite_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[torch.Tensor]]:
+    """The operands' gradients by PyTorch's autograd of :func:`_composite` (the unsliced einsum
+    steps; differentiable again under ``create_graph=True``)."""
+    with torch.enable_grad():
+        leaves = [t if t.requires_grad else t.detach().requires_grad_(True) for t in eff]
+        wanted = [t for t, n in zip(leaves, needs) if n]
+        out = _composite(plan, leaves, plan.slice_set.group(slices))
+        got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), create_graph=torch.is_grad_enabled(),
+                                       allow_unused=True, materialize_grads=True))
+    return [next(got) if n else None for n in needs]
 
 
 def _mode(plan, eff, group) -> str:
@@ -297,9 +329,9 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
                 part_group = group[c:c + step]
                 part = ContractFunction.apply(plan, part_group, _mode(plan, eff, part_group), *eff)[0] if grad \
                     else _forward(plan, eff, part_group)
-                total = part if total is None else total + part
+                total = part if total is None else total.to(accumulate_dtype(part.dtype)) + part
                 bar.update(len(part_group))
-        return total
+        return total.to(part.dtype)
     if not grad:
         return _forward(plan, eff, group)
     if torch.compiler.is_compiling():
@@ -356,6 +388,9 @@ def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
     with torch.no_grad():
         raw_ops = [op.detach() if isinstance(op, torch.Tensor) else op for op in operands]
         eff = plan.prepare(raw_ops)
+        if output_grad.is_complex() and not eff[0].is_complex():  # as autograd refuses it
+            raise TypeError(f"output_grad is complex ({output_grad.dtype}) but the result is real ({eff[0].dtype}): "
+                            f"pass its real part")
         raw = _eff_gradients(plan, eff, plan.slice_set.group(slices), output_grad, want)
         geff = [g if w else None for g, w in zip(raw, want)]
     result = []

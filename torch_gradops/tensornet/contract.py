@@ -111,6 +111,13 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
     if not args:
         raise TypeError("contract() needs an expression and operands")
     given_plan = plan is not None  # then checked against the expression passed with it
+    if given_plan:
+        options = dict(memory_limit=(memory_limit, None), optimize=(optimize, "auto"), slicing=(slicing, None),
+                       path_cache=(path_cache, None), max_overhead=(max_overhead, 1e4))
+        fixed = [k for k, (v, default) in options.items() if v is not default and v != default]
+        if fixed:  # the plan decides them all: a value passed with it would be ignored silently
+            raise ValueError(f"plan: {', '.join(fixed)} cannot be given with a plan, which fixes them; pass them to "
+                             f"tn.plan() instead")
     expr = terms = output = None
     if isinstance(args[0], str):
         expr, operands = args[0], args[1:]
@@ -182,7 +189,12 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
     ``torch.distributed`` group whose ranks share the slices (see
     :func:`torch_gradops.distributed.contract`; every rank gets the full result).
     Returns a tensor with one dimension per output mode (0-dim for a scalar).
+
+    Under ``torch.autocast`` the float16/bfloat16/float32 operands are cast to autocast's dtype
+    first, as torch.einsum's are (:func:`~.parser.autocast_operands`), and the result has that
+    dtype. Sums over slices run in float32 for float16/bfloat16 operands.
     """
+    args = parser.autocast_operands(args)
     plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan,
                              path_cache=path_cache, max_overhead=max_overhead)
     if process_group is not None:

@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["EllipsisDim", "ModeChunks", "Network", "split_modes", "parse_string", "split_interleaved", "normalize_labels", "network_of",
+__all__ = ["EllipsisDim", "autocast_operands", "ModeChunks", "Network", "split_modes", "parse_string", "split_interleaved", "normalize_labels", "network_of",
            "promoted_dtype", "preprocess", "check_operands", "shapes_of", "label_str", "describe"]
 
 
@@ -436,3 +436,15 @@ def preprocess(operands: Sequence[torch.Tensor], pre, dtype: Optional[torch.dtyp
     dtype = promoted_dtype(operands) if dtype is None else dtype
     out = [op if op.dtype == dtype else op.to(dtype) for op in operands]
     return [t if steps is None else apply_steps(t, steps) for t, steps in zip(out, pre)]
+
+
+def autocast_operands(args) -> tuple:
+    """Under ``torch.autocast`` for the operands' device: ``args`` with the float16, bfloat16 and
+    float32 operands cast to autocast's dtype, torch.einsum's policy (float64, complex and
+    integer operands are left alone); else ``args`` unchanged."""
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    if first is None or not torch.is_autocast_enabled(first.device.type):
+        return args
+    low = torch.get_autocast_dtype(first.device.type)
+    eligible = (torch.float16, torch.bfloat16, torch.float32)
+    return tuple(a.to(low) if isinstance(a, torch.Tensor) and a.dtype in eligible else a for a in args)

@@ -35,6 +35,7 @@ import math
 import os
 import random
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple
 
@@ -284,10 +285,18 @@ def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: O
     check_cotengra()
     caches = []
     if cache_dir is not None:
-        caches = [cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **o)
-                  for j, o in enumerate(options)]
+        try:
+            caches = [cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **o)
+                      for j, o in enumerate(options)]
+        except OSError as e:  # a file, or a folder that cannot be made
+            raise ValueError(f"path_cache: cannot keep a cache in {os.path.dirname(cache_dir)!r} ({e}); pass a "
+                             f"writable directory, or path_cache='' for none") from None
         if not any(c.hash_query(inputs, output, size_dict)[1] for c in caches):
-            return [c.search(inputs, output, size_dict) for c in caches], False  # cache hits: no search
+            try:
+                return [c.search(inputs, output, size_dict) for c in caches], False  # cache hits: no search
+            except Exception as e:  # a truncated or corrupt entry (an interrupted write): search, rewrite it
+                warnings.warn(f"path_cache: an entry under {cache_dir!r} could not be read ({type(e).__name__}: "
+                              f"{e}); searching again and rewriting it", RuntimeWarning, stacklevel=2)
     trees = _seeded(lambda: _round_robin([BudgetedHyperOptimizer(**o) for o in options], inputs, output, size_dict))
     for cache, tree in zip(caches, trees):
         if tree is not None:

@@ -147,8 +147,9 @@ class ContractionPlan:
         an int, a range or a list of slice ids: their partial sum, or their output blocks when
         a sliced mode is an output mode). ``out``: write (or with ``accumulate`` add) the
         result into this tensor (no autograd). ``progress``: a tqdm bar over slices.
-        Returns a tensor of shape :attr:`output_shape`, differentiable in the operands."""
-        eff = self.prepare(operands)
+        Returns a tensor of shape :attr:`output_shape`, differentiable in the operands; under
+        ``torch.autocast``, in autocast's dtype (:func:`~.parser.autocast_operands`)."""
+        eff = self.prepare(parser.autocast_operands(operands))
         if out is None:
             return autograd.contract_prepared(self, eff, slices, progress)
         if tuple(out.shape) != self.output_shape:
