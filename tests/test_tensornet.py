@@ -535,6 +535,35 @@ def test_limits_past_int64_slices_are_refused(optimize):
         tn.plan(*args, slicing=list(range(63)), optimize="greedy", max_overhead=None)
 
 
+def test_hopeless_limits_are_refused_without_slicing_hopeless_trees(monkeypatch):
+    """A 30x30 lattice of bond 8 at 1 MiB (a width of about 2^90 against 2^18 per slice) took
+    14 s to refuse and a 60x60 lattice of bond 2 at 1 GiB 92 s: cotengra's slicer removed the
+    modes of every hopeless trial's tree one by one, and the planner's own slicer scanned every
+    step for every candidate mode. A tree whose largest intermediate exceeds the limit times
+    2^62 is now a bad trial (no slicing can fit it: a mode of extent e divides it by e at most
+    and multiplies the slices by e), and the planner's slicer stops at the same bound."""
+    import cotengra
+    eq = cotengra.utils.lattice_equation([30, 30], d_min=8, d_max=8, seed=0)
+    args = []
+    for term in eq.inputs:
+        args += [tuple(eq.size_dict[ix] for ix in term), list(term)]
+    args.append(list(eq.output))
+    sliced = []
+    slice_tree = cotengra.ContractionTree.slice
+    monkeypatch.setattr(cotengra.ContractionTree, "slice",
+                        lambda self, *a, **k: sliced.append(1) or slice_tree(self, *a, **k))
+    with pytest.raises(ValueError, match=r"memory_limit cannot be met within 2\^62 slices .* too few for the "
+                                         r"contraction paths found \(the largest intermediate of this one: 2\^"):
+        tn.plan(*args, memory_limit="1MiB")
+    assert not sliced  # every trial was hopeless: cotengra's slicer never ran
+    # without a limit such a network has no plan either, said as such (an OverflowError from
+    # the program compiler, and slicing nobody asked for, before)
+    with pytest.raises(ValueError, match="2\\^63 elements or more, more than any device holds; pass a memory_limit"):
+        tn.plan(*args, optimize="greedy")
+    with pytest.raises(ValueError, match="slicing: more than 2\\^62 slices.*no intermediate reaches 2\\^62"):
+        tn.plan(*args)
+
+
 def test_plan_checks_operands_against_what_it_was_made_for():
     """Shapes must match the plan's; under a memory_limit the dtype may be the plan's or
     narrower (wider or complex elements would break the limit its memory model counted), and

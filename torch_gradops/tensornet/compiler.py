@@ -64,8 +64,12 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         for m, e in sizes.items():
             dense[m] = e
         sizes = dense
-    program, steps = library._C.compile_contract_program(
-        [list(t) for t in inputs], list(output), list(sizes), [tuple(p) for p in path], list(sliced),
-        int(itemsize), bool(is_complex), list(checkpoints), QUICK_MACS if quick_macs is None else int(quick_macs))
+    try:
+        program, steps = library._C.compile_contract_program(
+            [list(t) for t in inputs], list(output), list(sizes), [tuple(p) for p in path], list(sliced),
+            int(itemsize), bool(is_complex), list(checkpoints), QUICK_MACS if quick_macs is None else int(quick_macs))
+    except OverflowError:  # an intermediate of 2^63 elements or more: nothing could hold it
+        raise ValueError("an intermediate of this contraction path has 2^63 elements or more, more than any device "
+                         "holds; pass a memory_limit (the planner then slices the network) or another path") from None
     return program, steps
 

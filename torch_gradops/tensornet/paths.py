@@ -29,6 +29,7 @@ network and the options that shape the path, lets a new process skip the search:
 """
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import inspect
 import math
@@ -44,7 +45,10 @@ import opt_einsum
 from cotengra.hyperoptimizers.hyper import get_hyper_space, register_hyper_function
 from cotengra.pathfinders import path_basic
 from cotengra.scoring import FlopsObjective
+from cotengra.utils import BadTrial
 from opt_einsum.paths import linear_to_ssa
+
+from .slicer import MAX_SLICES
 
 __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget", "wants_more",
            "worth_polishing", "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
@@ -242,15 +246,27 @@ class PlanObjective(FlopsObjective):
         return math.log2(max(work, 1.0))
 
 
+# The largest intermediate (elements) past which a trial's tree cannot meet the search's memory
+# limit within MAX_SLICES slices (a mode of extent e divides it by e at most and multiplies the
+# slices by e): such a tree is dropped before cotengra's slicer removes its modes one by one (on
+# a 30x30 lattice at 1 MiB, seconds per tree). None: no limit.
+_HOPELESS_SIZE: contextvars.ContextVar[Optional[int]] = contextvars.ContextVar("hopeless_size", default=None)
+
+
 def _greedy_trial(inputs, output, size_dict, random_strength=0.0, temperature=0.0, costmod=1.0):
     """One trial of the search: cotengra's "greedy" hyper-method (jittered sizes, Boltzmann
     temperature, cost modifier) on cotengra's Python greedy, whatever else is installed.
     cotengra takes its Rust greedy when ``cotengrust`` is installed, whose random draws are
     seeded per process: plans would differ between processes, ranks and machines. This one
-    draws from Python's ``random``, which :func:`_seeded` seeds."""
+    draws from Python's ``random``, which :func:`_seeded` seeds. A tree that no slicing within
+    the most slices a plan can have brings under the limit is a bad trial (:data:`_HOPELESS_SIZE`)."""
     sizes = cotengra.core.jitter_dict(size_dict, random_strength) if random_strength else size_dict
     ssa = path_basic.optimize_greedy(inputs, output, sizes, costmod=costmod, temperature=temperature, use_ssa=True)
-    return cotengra.ContractionTree.from_path(inputs, output, size_dict, ssa_path=ssa)
+    tree = cotengra.ContractionTree.from_path(inputs, output, size_dict, ssa_path=ssa)
+    hopeless = _HOPELESS_SIZE.get()
+    if hopeless is not None and tree.max_size() > hopeless:
+        raise BadTrial
+    return tree
 
 
 GREEDY_TRIAL = "torch_gradops-greedy"  # the hyper-method name of _greedy_trial
@@ -496,9 +512,13 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             opts = hyper_options(budget, limit_elems, min_slices, obj, more)
             key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k not in ("minimize", "more")))
                         for o in opts) + (repr(cache_key),)
-            return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
-                                    score=select, candidates=obj.top if isinstance(obj, PlanObjective) else (),
-                                    polish=lambda work, trees: worth_polishing(n, work, trees))
+            token = _HOPELESS_SIZE.set(None if limit_elems is None else int(limit_elems) * MAX_SLICES)
+            try:
+                return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
+                                        score=select, candidates=obj.top if isinstance(obj, PlanObjective) else (),
+                                        polish=lambda work, trees: worth_polishing(n, work, trees))
+            finally:
+                _HOPELESS_SIZE.reset(token)
         try:
             fn = opt_einsum.paths.get_path_fn(name)
         except KeyError:

@@ -274,11 +274,15 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
     step or the output is a candidate, so the limit can always be met with ``limit_elems >= 1``."""
     sliced = list(forced)
 
-    def too_many():
+    def too_many(largest=None):
         if limit_elems is None:
-            return ValueError("slicing: more than 2^62 slices, the most a plan can have")
+            return ValueError("slicing: more than 2^62 slices, the most a plan can have (the modes given in "
+                              "slicing=, or those the search slices so that no intermediate reaches 2^62 elements: "
+                              "then no path found fits any device)")
+        found = "" if largest is None else f" (the largest intermediate of this one: 2^{math.log2(largest):.1f})"
         return ValueError(f"memory_limit cannot be met within 2^62 slices (the most a plan can have): "
-                          f"{limit_elems} elements per intermediate is too few for this network; raise it")
+                          f"{limit_elems} elements per intermediate is too few for the contraction paths "
+                          f"found{found}; raise it")
 
     if math.prod(sizes[m] for m in sliced) > MAX_SLICES:
         raise too_many()
@@ -289,8 +293,16 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
     res_sets = [res for _, res, _, _ in steps] + [frozenset(output)]  # the output block counts too
     all_sets = [allm for allm, _, _, _ in steps]
     universe = sorted(m for m in set().union(*all_sets, res_sets[-1]) if sizes[m] > 1)
-    in_res = {m: [j for j, r in enumerate(res_sets) if m in r] for m in universe}
-    in_all = {m: [j for j, a in enumerate(all_sets) if m in a] for m in universe}
+    in_res = {m: [] for m in universe}  # the steps (and the output, n) whose result holds m
+    in_all = {m: [] for m in universe}  # the steps that hold m
+    for j, r in enumerate(res_sets):
+        for m in r:
+            if m in in_res:
+                in_res[m].append(j)
+    for j, a in enumerate(all_sets):
+        for m in a:
+            if m in in_all:
+                in_all[m].append(j)
     size = lambda ms: math.prod(sizes[m] for m in ms if m not in sset)  # noqa: E731
     result = [size(r) for r in res_sets]
     macs = [size(a) for a in all_sets]
@@ -298,6 +310,10 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
         largest = max(result)
         nslices = math.prod(sizes[m] for m in sliced)
         over = limit_elems is not None and largest > limit_elems
+        if over and nslices * -(-largest // limit_elems) > MAX_SLICES:
+            # a mode of extent e divides a result by e at most and multiplies the slices by e:
+            # every slicing that meets the limit has at least largest / limit_elems x the slices
+            raise too_many(largest)
         few = nslices < (min_slices or 1)
         if not over and not few:
             if fits is None or fits(sset, StepCosts(steps, sizes, sset)) <= 0:
@@ -318,13 +334,16 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
             return sliced  # fits() cannot be met: the caller reports the modelled peak
         total_macs = sum(macs)
         best, best_key = None, None
+        if over:
+            order = sorted(range(n + 1), key=result.__getitem__, reverse=True)
         for m in cands:
             e = sizes[m]
             saved = sum(macs[j] for j in in_all[m]) * (e - 1) // e
             total = (total_macs - saved) * nslices * e
-            if over:
+            if over:  # the largest result once m is sliced: of those m divides, and of the rest
                 hit = set(in_res[m])
-                l2 = max(result[j] // e if j in hit else result[j] for j in range(n + 1))
+                rest = next((result[j] for j in order if j not in hit), 0)
+                l2 = max(rest, max(result[j] // e for j in in_res[m]))
                 key = (max(l2, limit_elems), total, -e)
             elif few:
                 key = (0, total, -e)
@@ -334,7 +353,7 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
             if best_key is None or key < best_key:
                 best, best_key = m, key
         if nslices * sizes[best] > MAX_SLICES:
-            raise too_many()
+            raise too_many(largest)
         sliced.append(best)
         sset.add(best)
         e = sizes[best]
