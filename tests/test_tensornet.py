@@ -2225,6 +2225,21 @@ def test_options_given_with_a_plan_and_complex_output_grad_are_refused():
         p.gradients(a, b, output_grad=torch.ones(3, 5, dtype=torch.complex128))
 
 
+def test_slice_ids_and_dtype_arguments_are_checked_by_kind():
+    """slices=[1.0] said "out of range", slices=range(0, 10**20) raised OverflowError from len(),
+    plan(dtype="float32") said "must have a floating-point dtype, got float32"."""
+    a, b = torch.randn(3, 4, dtype=F64), torch.randn(4, 5, dtype=F64)
+    p = tn.plan("ab,bc->ac", a, b, slicing=["b"])
+    for bad in ([1.0], [True], ["0"]):
+        with pytest.raises(TypeError, match="slices: slice ids are ints"):
+            p.contract(a, b, slices=bad)
+    with pytest.raises(ValueError, match="slices: slice id 99999999999999999999 is out of range"):
+        p.contract(a, b, slices=range(0, 10 ** 20))
+    assert torch.equal(p.contract(a, b, slices=range(2, 2)), torch.zeros(3, 5, dtype=F64))
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype .*got 'float32' \\(str\\)"):
+        tn.plan("ab,bc->ac", (3, 4), (4, 5), dtype="float32")
+
+
 def test_corrupt_or_unusable_path_cache(tmp_path):
     """A truncated or corrupt cache entry (an interrupted write) broke every later plan of the
     network with cotengra's "UnboundLocalError: cannot access local variable 'e'"; now the

@@ -176,7 +176,9 @@ def check_operands(operands) -> None:
 
 def check_dtype(dtype, what: str) -> None:
     """Contractions are of floating-point or complex tensors (GEMMs; gradients)."""
-    if not isinstance(dtype, torch.dtype) or not (dtype.is_floating_point or dtype.is_complex):
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{what} must be a torch.dtype (torch.float32, ...), got {dtype!r} ({type(dtype).__name__})")
+    if not (dtype.is_floating_point or dtype.is_complex):
         raise TypeError(f"{what} must have a floating-point or complex dtype (float64/32/16, bfloat16, "
                         f"complex128/64), got {dtype}")
 

@@ -522,14 +522,18 @@ class Slices:
         if isinstance(slices, int) and not isinstance(slices, bool):
             slices = (slices,)
         if isinstance(slices, range):
-            if len(slices) and not (0 <= slices[0] < self.count and 0 <= slices[-1] < self.count):
+            if not slices:
+                return slices
+            if not (0 <= slices[0] < self.count and 0 <= slices[-1] < self.count):
                 bad = slices[0] if not 0 <= slices[0] < self.count else slices[-1]
                 raise ValueError(f"slices: slice id {bad!r} is out of range for a plan with {self.count} slice(s)")
             return slices
         if not isinstance(slices, (list, tuple)):
             raise TypeError(f"slices must be None, an int, a range or a list of slice ids, got {type(slices).__name__}")
         for s in slices:
-            if not isinstance(s, int) or isinstance(s, bool) or not 0 <= s < self.count:
+            if not isinstance(s, int) or isinstance(s, bool):
+                raise TypeError(f"slices: slice ids are ints, got {s!r} ({type(s).__name__})")
+            if not 0 <= s < self.count:
                 raise ValueError(f"slices: slice id {s!r} is out of range for a plan with {self.count} slice(s)")
         return tuple(slices)
 
