@@ -2225,6 +2225,28 @@ def test_options_given_with_a_plan_and_complex_output_grad_are_refused():
         p.gradients(a, b, output_grad=torch.ones(3, 5, dtype=torch.complex128))
 
 
+def test_unit_output_gradient_takes_the_fused_gradients_without_a_copy():
+    """loss.backward() of a one-element output: the forward already holds every operand's
+    gradient under a unit cotangent, and a unit output gradient now takes them as they are; it
+    made a scaled copy of each (2x the operands' bytes at the peak). Other output gradients
+    still scale, and the values are the same."""
+    inputs, out, ops = lattice_network(4, 4, 8, seed=2, dtype=F64)
+    p = tn.plan(*interleave(inputs, ops, out), memory_limit=16384)
+    assert p.num_slices > 1
+    ob = sum(o.numel() * o.element_size() for o in ops)
+    ref = [torch.autograd.grad(tn.plan(*interleave(inputs, ops, out)).contract(*[o.requires_grad_(True) for o in xs]), xs)
+           for xs in [[o.clone() for o in ops]]][0]
+    peaks, grads = {}, {}
+    for name, scale in (("unit", 1.0), ("scaled", 2.0)):
+        leaves = [o.clone().requires_grad_(True) for o in ops]
+        loss = p.contract(*leaves)  # the forward holds the gradients
+        peaks[name] = _peak_bytes(lambda: loss.backward(torch.tensor(scale, dtype=F64)))
+        grads[name] = [x.grad for x in leaves]
+        for g, r in zip(grads[name], ref):
+            _close(g, scale * r)
+    assert peaks["unit"] < ob // 8 and peaks["scaled"] >= ob, (peaks, ob)
+
+
 def test_slice_ids_and_dtype_arguments_are_checked_by_kind():
     """slices=[1.0] said "out of range", slices=range(0, 10**20) raised OverflowError from len(),
     plan(dtype="float32") said "must have a floating-point dtype, got float32"."""

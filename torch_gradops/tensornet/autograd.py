@@ -165,7 +165,10 @@ class ContractFunction(torch.autograd.Function):
             grads = _derivative_gradients(ctx.plan, list(operands), grad_out, ctx.slices, needs)
         elif ctx.mode == FUSED:
             g = grad_out.reshape(()).to(operands[0].dtype)
-            grads = [u * g if n else None for u, n in zip(extra, needs)]
+            # a unit output gradient (loss.backward()) takes the forward's gradients as they are,
+            # not a scaled copy of each (on the CPU, where asking costs no device sync)
+            unit = g.device.type == "cpu" and not is_legacy_batched(g) and bool(g == 1)
+            grads = [(u if unit else u * g) if n else None for u, n in zip(extra, needs)]
         else:
             raw = _backward(ctx.plan, operands, ctx.slices, grad_out, needs, extra)
             grads = [g if n else None for g, n in zip(raw, needs)]
