@@ -549,16 +549,20 @@ def test_hopeless_limits_are_refused_without_slicing_hopeless_trees(monkeypatch)
         args += [tuple(eq.size_dict[ix] for ix in term), list(term)]
     args.append(list(eq.output))
     sliced = []
-    slice_tree = cotengra.ContractionTree.slice
-    monkeypatch.setattr(cotengra.ContractionTree, "slice",
+    slice_tree = cotengra.ContractionTree.slice_  # what cotengra's trials call (a partialmethod of slice)
+    monkeypatch.setattr(cotengra.ContractionTree, "slice_",
                         lambda self, *a, **k: sliced.append(1) or slice_tree(self, *a, **k))
+    small = lattice_network(4, 4, 8)  # a feasible limit: the counter counts
+    tn.plan(*interleave(small[0], small[2], small[1]), memory_limit="16KiB", optimize="cotengra")
+    assert sliced
+    sliced.clear()
     with pytest.raises(ValueError, match=r"memory_limit cannot be met within 2\^62 slices .* too few for the "
                                          r"contraction paths found \(the largest intermediate of this one: 2\^"):
         tn.plan(*args, memory_limit="1MiB")
     assert not sliced  # every trial was hopeless: cotengra's slicer never ran
     # without a limit such a network has no plan either, said as such (an OverflowError from
     # the program compiler, and slicing nobody asked for, before)
-    with pytest.raises(ValueError, match="2\\^63 elements or more, more than any device holds; pass a memory_limit"):
+    with pytest.raises(ValueError, match="reaches 2\\^63 \\(int64\\), beyond what any device holds or runs; pass a memory_limit"):
         tn.plan(*args, optimize="greedy")
     with pytest.raises(ValueError, match="slicing: more than 2\\^62 slices.*no intermediate reaches 2\\^62"):
         tn.plan(*args)
@@ -1671,7 +1675,8 @@ def test_low_precision_dtypes(dtype, tol):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 4e-3), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("expr,slicing", [("ab,bc,ca->", ["a", "c"]),   # one-element output: the fused path
-                                          ("ab,bc->ac", ["b"])])          # the plain path
+                                          ("ab,bc->ac", ["b"]),           # the plain path
+                                          ("ab,bc,cd->ad", ["c"])])       # a's gradient sums every slice
 @pytest.mark.parametrize("table_rows", [None, 4])                       # one executor call, or several
 def test_half_precision_sums_slices_in_float32(dtype, tol, expr, slicing, table_rows, monkeypatch):
     """Thousands of slices summed in float16/bfloat16 lose most of them (bfloat16 keeps 8 bits:
@@ -1682,7 +1687,7 @@ def test_half_precision_sums_slices_in_float32(dtype, tol, expr, slicing, table_
         monkeypatch.setattr(tn.slicer.Slices, "chunks", lambda self, s, max_rows=table_rows: chunks(self, s, max_rows))
     gen = torch.Generator().manual_seed(23)
     n = 2048 if len(slicing) == 1 else 32
-    shapes = [(32, 32), (32, 32), (32, 32)] if len(slicing) == 2 else [(8, n), (n, 8)]
+    shapes = {"ab,bc,ca->": [(32, 32)] * 3, "ab,bc->ac": [(8, n), (n, 8)], "ab,bc,cd->ad": [(8, 8), (8, n), (n, 8)]}[expr]
     ops64 = [torch.rand(s, dtype=F64, generator=gen) + 0.5 for s in shapes]
     ops = [o.to(dtype).requires_grad_(True) for o in ops64]
     p = tn.plan(expr, *ops, slicing=slicing)
@@ -1696,10 +1701,13 @@ def test_half_precision_sums_slices_in_float32(dtype, tol, expr, slicing, table_
     grads = torch.autograd.grad(out, ops, g_out.to(dtype))
     refs = torch.autograd.grad(ref, rounded, g_out)
     via_plan = p.gradients(*[o.detach() for o in ops], output_grad=g_out.to(dtype))
-    for g, h, r in zip(grads, via_plan, refs):
-        assert g.dtype == h.dtype == dtype
-        torch.testing.assert_close(g.to(F64), r, rtol=tol, atol=0)
-        torch.testing.assert_close(h.to(F64), r, rtol=tol, atol=0)
+    # progress=True: a bar over the slices, the same sums (about 100 Functions whose gradients
+    # autograd added in the operands' dtype before)
+    progress = torch.autograd.grad(p.contract(*ops, progress=True), ops, g_out.to(dtype))
+    for g, h, q, r in zip(grads, via_plan, progress, refs):
+        assert g.dtype == h.dtype == q.dtype == dtype
+        for x in (g, h, q):
+            torch.testing.assert_close(x.to(F64), r, rtol=tol, atol=0)
 
 
 @pytest.mark.parametrize("expr", ["ab,bc,cd->ad", "ab,bc,ca->"])
@@ -1732,6 +1740,12 @@ def test_autocast_follows_einsum(expr, memory_limit):
     _close(plain[0], torch.autograd.grad(torch.einsum(expr, *ops), ops[0], g)[0], rtol=1e-5, atol=1e-5)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # float64 is not autocast, as for einsum
         assert tn.contract(expr, *[o.double() for o in ops], memory_limit=memory_limit).dtype == F64
+        # nor a float32 operand contracted with a float64 one: no bfloat16 rounding in a float64 result
+        mixed = tn.contract(expr, ops[0].double(), ops[1], ops[2], memory_limit=memory_limit)
+        with torch.no_grad():
+            p.contract(*ops, out=torch.empty(p.output_shape))  # out= keeps the plan's dtype
+    assert mixed.dtype == F64
+    _close(mixed, torch.einsum(expr, *[o.double() for o in ops]), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("memory_limit", [None, 64])
@@ -1752,6 +1766,9 @@ def test_vectorized_jacobian_and_batched_grads(memory_limit):
     for row, row_ref in zip(hessian(s, (a, b), vectorize=True), hessian(s_ref, (a, b))):
         for got, want in zip(row, row_ref):
             _close(got, want)
+    got = jacobian(lambda x, y: s(x, y), (a, b), vectorize=True, create_graph=True)  # the fused path's too
+    for g, w in zip(got, jacobian(s_ref, (a, b))):
+        _close(g, w)
     x = a.clone().requires_grad_(True)
     v = _rand((6, 3, 3), F64, gen)
     got, = torch.autograd.grad(f(x, b), x, v, is_grads_batched=True)
@@ -2218,9 +2235,13 @@ def test_options_given_with_a_plan_and_complex_output_grad_are_refused():
     a, b = torch.randn(3, 4, dtype=F64), torch.randn(4, 5, dtype=F64)
     p = tn.plan("ab,bc->ac", a, b)
     _close(tn.contract("ab,bc->ac", a, b, plan=p), a @ b)
-    for kw in (dict(memory_limit=8), dict(optimize="greedy"), dict(slicing=["b"]), dict(max_overhead=None)):
+    for kw in (dict(memory_limit=8), dict(optimize="greedy"), dict(slicing=["b"]), dict(max_overhead=None),
+               dict(optimize=__import__("numpy").array([[0, 1]]))):
         with pytest.raises(ValueError, match=f"plan: {next(iter(kw))} cannot be given with a plan"):
             tn.contract("ab,bc->ac", a, b, plan=p, **kw)
+    limited = tn.plan("ab,bc->ac", a, b, memory_limit=64)
+    for kw in (dict(memory_limit=64), dict(memory_limit="64B"), dict(slicing=[]), dict(path_cache="/tmp")):
+        _close(tn.contract("ab,bc->ac", a, b, plan=limited, **kw), a @ b)  # the plan's own, or harmless
     with pytest.raises(TypeError, match="output_grad is complex"):
         p.gradients(a, b, output_grad=torch.ones(3, 5, dtype=torch.complex128))
 
@@ -2247,6 +2268,34 @@ def test_unit_output_gradient_takes_the_fused_gradients_without_a_copy():
     assert peaks["unit"] < ob // 8 and peaks["scaled"] >= ob, (peaks, ob)
 
 
+def test_slicing_takes_a_plans_sliced_modes_back():
+    """plan.sliced_modes lists modes sliced in ranges as ModeChunks (``a/2``), which slicing=
+    refused ("not a mode of the expression"): a plan's slicing could not be asked for again.
+    With the plan's path it now gives the same plan; the values and gradients are einsum's."""
+    inputs, out, ops = lattice_network(4, 4, 8, seed=2, dtype=F64)
+    args = interleave(inputs, ops, out)
+    p = tn.plan(*args, memory_limit=4096)
+    assert any(isinstance(m, tn.ModeChunks) for m in p.sliced_modes)
+    for limit in (4096, None):
+        q = tn.plan(*args, memory_limit=limit, slicing=list(p.sliced_modes), optimize=list(p.path))
+        assert (q.sliced_modes, q.num_slices, q.flops) == (p.sliced_modes, p.num_slices, p.flops)
+    leaves = [o.clone().requires_grad_(True) for o in ops]
+    refs = [o.clone().requires_grad_(True) for o in ops]
+    got = q.contract(*leaves)
+    want = torch.einsum(*interleave(inputs, refs, out))
+    _close(got, want)
+    for g, r in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, refs)):
+        _close(g, r)
+    a, b = torch.randn(4, 6, dtype=F64), torch.randn(6, 5, dtype=F64)
+    _close(tn.contract("ab,bc->ac", a, b, slicing=[tn.ModeChunks("b", 3)]), a @ b)
+    for bad, match in (([tn.ModeChunks("b", 4)], "cannot be sliced in 4 ranges: its mode has extent 6"),
+                       ([tn.ModeChunks("a", 2)], "is an output mode"),
+                       ([tn.ModeChunks("b", 2), "b"], "listed twice"),
+                       ([tn.ModeChunks("z", 2)], "not a mode of the expression")):
+        with pytest.raises(ValueError, match=match):
+            tn.plan("ab,bc->ac", a, b, slicing=bad)
+
+
 def test_slice_ids_and_dtype_arguments_are_checked_by_kind():
     """slices=[1.0] said "out of range", slices=range(0, 10**20) raised OverflowError from len(),
     plan(dtype="float32") said "must have a floating-point dtype, got float32"."""
@@ -2258,6 +2307,8 @@ def test_slice_ids_and_dtype_arguments_are_checked_by_kind():
     with pytest.raises(ValueError, match="slices: slice id 99999999999999999999 is out of range"):
         p.contract(a, b, slices=range(0, 10 ** 20))
     assert torch.equal(p.contract(a, b, slices=range(2, 2)), torch.zeros(3, 5, dtype=F64))
+    np = pytest.importorskip("numpy")
+    _close(p.contract(a, b, slices=[np.int64(0), torch.tensor(1)]), p.contract(a, b, slices=[0, 1]))
     with pytest.raises(TypeError, match="dtype must be a torch.dtype .*got 'float32' \\(str\\)"):
         tn.plan("ab,bc->ac", (3, 4), (4, 5), dtype="float32")
 

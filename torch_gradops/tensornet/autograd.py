@@ -16,6 +16,7 @@ tangent. This module does not plan: plans come in as arguments.
 """
 from __future__ import annotations
 
+import itertools
 from typing import List, Optional
 
 import torch
@@ -94,13 +95,17 @@ def _backward(plan, operands, group, grad_out, needs, kept=()) -> List[torch.Ten
     first = next(tables, None)
     if first is None:
         return [torch.zeros_like(op) if n else op.new_empty((0,)) for op, n in zip(operands, needs)]
-    grads = ops.contract_program_backward(list(operands), list(plan.program), list(first), grad_out,
-                                          [int(n) for n in needs], list(kept))
-    widened = False
-    for table in tables:  # further chunks add into the same buffers
-        if not widened:
-            grads = [g.to(accumulate_dtype(g.dtype)) if n else g for g, n in zip(grads, needs)]
-            widened = True
+    second = next(tables, None)
+    acc = accumulate_dtype(operands[0].dtype)
+    if second is None or acc == operands[0].dtype:
+        grads = ops.contract_program_backward(list(operands), list(plan.program), list(first), grad_out,
+                                              [int(n) for n in needs], list(kept))
+        rest = [] if second is None else [second]
+    else:  # several executor calls on float16/bfloat16: float32 buffers from the first one
+        grads = [torch.zeros_like(op, dtype=acc, memory_format=torch.contiguous_format) if n else op.new_empty((0,))
+                 for op, n in zip(operands, needs)]
+        rest = [first, second]
+    for table in itertools.chain(rest, tables):  # further chunks add into the same buffers
         ops.contract_program_accumulate(list(operands), list(plan.program), list(table), grad_out, grads)
     return [g.to(op.dtype) if n else g for g, op, n in zip(grads, operands, needs)]
 
@@ -154,7 +159,7 @@ class ContractFunction(torch.autograd.Function):
         needs = _engine_needs(ctx, ctx.needs_input_grad[3:])
         if grad_out is None or not any(needs):
             return (None, None, None) + (None,) * len(operands)
-        if ctx.mode != FUSED and is_legacy_batched(grad_out):
+        if is_legacy_batched(grad_out) and (ctx.mode != FUSED or torch.is_grad_enabled()):
             # is_grads_batched / vectorize=True: the executor's ops take tensor lists, which that
             # vmap cannot batch; PyTorch's autograd of the einsum steps can (unsliced)
             grads = _composite_gradients(ctx.plan, list(operands), grad_out, ctx.slices, needs)
@@ -322,6 +327,14 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
                 tangent = part if tangent is None else tangent + part
         return join_dual(_traced(plan, primals, group), tangent)
     grad = _needs_function(eff)
+    if progress and grad and accumulate_dtype(eff[0].dtype) != eff[0].dtype:
+        # parts through separate Functions would have autograd add their float16/bfloat16
+        # gradients in that dtype: one Function (summing in float32), the bar moving once
+        from tqdm.auto import tqdm
+        with tqdm(total=len(group), desc="contract", unit="slice") as bar:
+            out = ContractFunction.apply(plan, group, _mode(plan, eff, group), *eff)[0]
+            bar.update(len(group))
+        return out
     if progress and len(group) > 1:
         from tqdm.auto import tqdm
         # about 100 parts (one op call each at least): a live bar at low overhead

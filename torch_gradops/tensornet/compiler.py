@@ -68,8 +68,9 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
         program, steps = library._C.compile_contract_program(
             [list(t) for t in inputs], list(output), list(sizes), [tuple(p) for p in path], list(sliced),
             int(itemsize), bool(is_complex), list(checkpoints), QUICK_MACS if quick_macs is None else int(quick_macs))
-    except OverflowError:  # an intermediate of 2^63 elements or more: nothing could hold it
-        raise ValueError("an intermediate of this contraction path has 2^63 elements or more, more than any device "
-                         "holds; pass a memory_limit (the planner then slices the network) or another path") from None
+    except OverflowError:  # an intermediate, or a step's multiply-adds, of 2^63 or more
+        raise ValueError("a size or a step's cost on this contraction path reaches 2^63 (int64), beyond what any "
+                         "device holds or runs; pass a memory_limit (the planner then slices the network) or another "
+                         "path") from None
     return program, steps
 

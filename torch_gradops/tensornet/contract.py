@@ -6,7 +6,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from . import parser
+from . import parser, slicer
 from .plan import PLANS, ContractionPlan, build_plan
 
 __all__ = ["contract", "plan", "resolve", "plan_cache_info", "clear_plan_cache", "register_process_group_runner"]
@@ -77,7 +77,10 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     any size), any opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit
     path. ``path_cache``: a directory for an on-disk cache of searched paths (default:
     ``$TORCH_GRADOPS_PATH_CACHE``, else none), so a new process does not search again.
-    ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``.
+    ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``; a
+    :class:`~.parser.ModeChunks` (``tn.ModeChunks(label, chunks)``, as
+    :attr:`ContractionPlan.sliced_modes` lists them) slices its mode in that many ranges, so a
+    plan's ``sliced_modes`` and ``path`` give the same plan again.
     ``max_overhead``: refuse (ValueError) a plan whose sliced FLOPs exceed this multiple of the
     same path unsliced, with advice; None creates it anyway (its slice groups can still be
     contracted one at a time: slice ids are never listed, so even 2^40 slices cost nothing
@@ -112,12 +115,7 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
         raise TypeError("contract() needs an expression and operands")
     given_plan = plan is not None  # then checked against the expression passed with it
     if given_plan:
-        options = dict(memory_limit=(memory_limit, None), optimize=(optimize, "auto"), slicing=(slicing, None),
-                       path_cache=(path_cache, None), max_overhead=(max_overhead, 1e4))
-        fixed = [k for k, (v, default) in options.items() if v is not default and v != default]
-        if fixed:  # the plan decides them all: a value passed with it would be ignored silently
-            raise ValueError(f"plan: {', '.join(fixed)} cannot be given with a plan, which fixes them; pass them to "
-                             f"tn.plan() instead")
+        _check_options_of(plan, memory_limit, optimize, slicing, max_overhead)
     expr = terms = output = None
     if isinstance(args[0], str):
         expr, operands = args[0], args[1:]
@@ -143,6 +141,26 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
     if given_plan:
         _check_plan_matches(plan, expr, terms, output, operands)
     return plan, operands
+
+
+def _check_options_of(plan, memory_limit, optimize, slicing, max_overhead) -> None:
+    """A plan decides the memory limit, path and slicing: another value passed with it would be
+    ignored silently, so it is an error (the plan's own values, and no slicing, are not).
+    ``path_cache`` only serves a search, which a given plan skips."""
+    if not isinstance(plan, ContractionPlan):
+        return  # resolve() names the type
+    fixed = []
+    if memory_limit is not None and slicer.parse_memory_limit(memory_limit, plan.device_type) != plan.memory_limit:
+        fixed.append("memory_limit")
+    if not (isinstance(optimize, str) and optimize == "auto"):
+        fixed.append("optimize")
+    if slicing is not None and not (isinstance(slicing, (list, tuple)) and len(slicing) == 0):
+        fixed.append("slicing")
+    if not (isinstance(max_overhead, (int, float)) and max_overhead == 1e4):
+        fixed.append("max_overhead")
+    if fixed:
+        raise ValueError(f"plan: {', '.join(fixed)} cannot be given with a plan, which fixes them; pass them to "
+                         f"tn.plan() instead")
 
 
 def _check_plan_matches(plan: ContractionPlan, expr, terms, output, operands) -> None:

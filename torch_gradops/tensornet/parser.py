@@ -442,11 +442,14 @@ def preprocess(operands: Sequence[torch.Tensor], pre, dtype: Optional[torch.dtyp
 
 def autocast_operands(args) -> tuple:
     """Under ``torch.autocast`` for the operands' device: ``args`` with the float16, bfloat16 and
-    float32 operands cast to autocast's dtype, torch.einsum's policy (float64, complex and
-    integer operands are left alone); else ``args`` unchanged."""
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
-    if first is None or not torch.is_autocast_enabled(first.device.type):
+    float32 operands cast to autocast's dtype, torch.einsum's policy, when they are all of
+    those dtypes (with a float64 or complex operand the network runs in that dtype, uncast;
+    torch.einsum refuses such a mix); else ``args`` unchanged."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if not tensors or not torch.is_autocast_enabled(tensors[0].device.type):
         return args
-    low = torch.get_autocast_dtype(first.device.type)
     eligible = (torch.float16, torch.bfloat16, torch.float32)
+    if promoted_dtype(tensors) not in eligible:  # a float64 or complex operand: the whole network is
+        return args                               # contracted in it; a bfloat16 copy would only lose bits
+    low = torch.get_autocast_dtype(tensors[0].device.type)
     return tuple(a.to(low) if isinstance(a, torch.Tensor) and a.dtype in eligible else a for a in args)

@@ -148,8 +148,9 @@ class ContractionPlan:
         a sliced mode is an output mode). ``out``: write (or with ``accumulate`` add) the
         result into this tensor (no autograd). ``progress``: a tqdm bar over slices.
         Returns a tensor of shape :attr:`output_shape`, differentiable in the operands; under
-        ``torch.autocast``, in autocast's dtype (:func:`~.parser.autocast_operands`)."""
-        eff = self.prepare(parser.autocast_operands(operands))
+        ``torch.autocast`` (without ``out``), in autocast's dtype
+        (:func:`~.parser.autocast_operands`)."""
+        eff = self.prepare(parser.autocast_operands(operands) if out is None else operands)
         if out is None:
             return autograd.contract_prepared(self, eff, slices, progress)
         if tuple(out.shape) != self.output_shape:
@@ -284,9 +285,11 @@ def device_flop_rate(device_type: str, dtype: torch.dtype) -> float:
 
 # ---------------------------------------------------------------------------- planning
 def _forced_modes(slicing, network: parser.Network):
-    """``(modes to slice, min_slices)`` from the ``slicing`` option."""
+    """``(modes to slice, min_slices, modes to slice in chunks)`` from the ``slicing`` option:
+    labels slice their mode whole, :class:`~.parser.ModeChunks` (as :attr:`ContractionPlan.
+    sliced_modes` lists them) in ranges, ``{mode id: chunks}``."""
     if slicing is None:
-        return [], None
+        return [], None, {}
     min_slices = None
     if isinstance(slicing, dict):
         bad = set(slicing) - {"min_slices", "modes"}
@@ -313,19 +316,32 @@ def _forced_modes(slicing, network: parser.Network):
         for m in t:
             counts[m] = counts.get(m, 0) + 1
     forced: List[int] = []
+    chunked: Dict[int, int] = {}
     for lab in mode_list:
         if not parser.is_hashable(lab):
             raise TypeError(f"slicing: mode {lab!r} is not a mode label (labels are hashable)")
+        if isinstance(lab, parser.ModeChunks) and lab not in network.ids and lab.label in network.ids:
+            m = network.ids[lab.label]
+            e = network.sizes[m]
+            if m in network.output or not 1 < lab.chunks < e or e % lab.chunks:
+                raise ValueError(f"slicing: {lab!r} cannot be sliced in {lab.chunks} ranges: its mode has extent {e}"
+                                 + (" and is an output mode" if m in network.output else "")
+                                 + f"; pass a divisor of {e} between 2 and {e - 1}, or {lab.label!r} to slice it "
+                                   f"whole")
+            if m in chunked or m in forced:
+                raise ValueError(f"slicing: mode {lab.label!r} is listed twice")
+            chunked[m] = lab.chunks
+            continue
         if lab not in network.ids:
             raise ValueError(f"slicing: mode {lab!r} is not a mode of the expression")
         m = network.ids[lab]
         if counts.get(m, 0) < 2 and m not in network.output:
             raise ValueError(f"slicing: mode {lab!r} occurs in only one operand and not in the output; "
                              "slicing it saves nothing")
-        if m in forced:
+        if m in forced or m in chunked:
             raise ValueError(f"slicing: mode {lab!r} is listed twice")
         forced.append(m)
-    return forced, min_slices
+    return forced, min_slices, chunked
 
 
 class _Slicing:
@@ -514,7 +530,10 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     limit_elems = None if limit is None else limit // itemsize
     if limit_elems == 0:
         raise ValueError(f"memory_limit cannot be met: {limit} bytes is less than one {dtype} element")
-    forced, min_slices = _forced_modes(slicing, network)
+    forced, min_slices, chunked = _forced_modes(slicing, network)
+    if chunked:  # modes to slice in ranges: their chunk modes are modes of the network, sliced
+        network, chunk_ids = parser.split_modes(network, chunked)
+        forced += [chunk_ids[m] for m in sorted(chunked)]
     if max_overhead is not None and not (isinstance(max_overhead, (int, float)) and max_overhead >= 1):
         raise ValueError(f"max_overhead must be a number >= 1 or None, got {max_overhead!r}")
     slicing_ = _Slicing(network, limit_elems, min_slices, forced, dtype.is_complex, reserve, max_overhead)

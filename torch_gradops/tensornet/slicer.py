@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import os
 import re
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -530,12 +531,18 @@ class Slices:
             return slices
         if not isinstance(slices, (list, tuple)):
             raise TypeError(f"slices must be None, an int, a range or a list of slice ids, got {type(slices).__name__}")
+        ids = []
         for s in slices:
-            if not isinstance(s, int) or isinstance(s, bool):
+            try:  # ints, numpy and 0-dim integer tensors; not bools or floats
+                i = None if isinstance(s, bool) else operator.index(s)
+            except TypeError:
+                i = None
+            if i is None:
                 raise TypeError(f"slices: slice ids are ints, got {s!r} ({type(s).__name__})")
-            if not 0 <= s < self.count:
-                raise ValueError(f"slices: slice id {s!r} is out of range for a plan with {self.count} slice(s)")
-        return tuple(slices)
+            if not 0 <= i < self.count:
+                raise ValueError(f"slices: slice id {i!r} is out of range for a plan with {self.count} slice(s)")
+            ids.append(i)
+        return tuple(ids)
 
     def ids(self, slices) -> Union[range, Tuple[int, ...]]:
         """The slice ids of a slice group (a range or a tuple, never an expanded list)."""
