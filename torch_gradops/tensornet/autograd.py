@@ -241,10 +241,9 @@ def _derivative_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[t
 def _composite_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[torch.Tensor]]:
     """The operands' gradients by PyTorch's autograd of :func:`_composite` (the unsliced einsum
     steps; differentiable again under ``create_graph=True``)."""
-    with torch.enable_grad():
-        leaves = [t if t.requires_grad else t.detach().requires_grad_(True) for t in eff]
-        wanted = [t for t, n in zip(leaves, needs) if n]
-        out = _composite(plan, leaves, plan.slice_set.group(slices))
+    with torch.enable_grad():  # the operands asked for require grad (needs_input_grad)
+        wanted = [t for t, n in zip(eff, needs) if n]
+        out = _composite(plan, eff, plan.slice_set.group(slices))
         got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), create_graph=torch.is_grad_enabled(),
                                        allow_unused=True, materialize_grads=True))
     return [next(got) if n else None for n in needs]
@@ -327,18 +326,13 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
                 tangent = part if tangent is None else tangent + part
         return join_dual(_traced(plan, primals, group), tangent)
     grad = _needs_function(eff)
-    if progress and grad and accumulate_dtype(eff[0].dtype) != eff[0].dtype:
-        # parts through separate Functions would have autograd add their float16/bfloat16
-        # gradients in that dtype: one Function (summing in float32), the bar moving once
-        from tqdm.auto import tqdm
-        with tqdm(total=len(group), desc="contract", unit="slice") as bar:
-            out = ContractFunction.apply(plan, group, _mode(plan, eff, group), *eff)[0]
-            bar.update(len(group))
-        return out
     if progress and len(group) > 1:
         from tqdm.auto import tqdm
-        # about 100 parts (one op call each at least): a live bar at low overhead
-        step = max(1, -(-len(group) // 100))
+        # about 100 parts (one op call each at least): a live bar at low overhead; with gradients
+        # in float16/bfloat16 one part (one Function, summing in float32), since autograd would
+        # add the parts' gradients in that dtype
+        whole = grad and accumulate_dtype(eff[0].dtype) != eff[0].dtype
+        step = len(group) if whole else max(1, -(-len(group) // 100))
         total = None
         with tqdm(total=len(group), desc="contract", unit="slice") as bar:
             for c in range(0, len(group), step):

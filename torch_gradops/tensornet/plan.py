@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -297,10 +296,7 @@ def _forced_modes(slicing, network: parser.Network):
             raise ValueError(f"slicing: unknown keys {sorted(bad)}; use 'modes' and/or 'min_slices'")
         min_slices = slicing.get("min_slices")
         if min_slices is not None:
-            try:  # ints and numpy integers; not bools
-                min_slices = None if isinstance(min_slices, bool) else operator.index(min_slices)
-            except TypeError:
-                min_slices = None
+            min_slices = slicer.as_int(min_slices)
             if min_slices is None or min_slices < 1:
                 raise ValueError(f"slicing: min_slices must be a positive int, got {slicing['min_slices']!r}")
         mode_list = slicing.get("modes", [])

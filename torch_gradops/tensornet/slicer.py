@@ -29,7 +29,7 @@ from .. import library
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
            "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
-           "slicing_work", "STEP_OVERHEAD_MACS", "MAX_SLICES", "Slices"]
+           "slicing_work", "STEP_OVERHEAD_MACS", "MAX_SLICES", "Slices", "as_int"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
 # BACKWARD_FACTOR * L beyond the operands, their gradients and the output, whatever the number
@@ -493,6 +493,17 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of,
 
 
 # ---------------------------------------------------------------------------- slice ids
+def as_int(x) -> Optional[int]:
+    """``x`` as an int when it is one (ints, numpy integers, 0-dim integer tensors), else None
+    (bools, floats and anything else)."""
+    if isinstance(x, bool):
+        return None
+    try:
+        return operator.index(x)
+    except TypeError:
+        return None
+
+
 MAX_TABLE_ROWS = 1 << 16  # rows of one executor call: bounded, so no slice list is ever materialised
 
 
@@ -533,10 +544,7 @@ class Slices:
             raise TypeError(f"slices must be None, an int, a range or a list of slice ids, got {type(slices).__name__}")
         ids = []
         for s in slices:
-            try:  # ints, numpy and 0-dim integer tensors; not bools or floats
-                i = None if isinstance(s, bool) else operator.index(s)
-            except TypeError:
-                i = None
+            i = as_int(s)
             if i is None:
                 raise TypeError(f"slices: slice ids are ints, got {s!r} ({type(s).__name__})")
             if not 0 <= i < self.count:
