@@ -684,10 +684,17 @@ at::Tensor finish_single(at::Tensor r, at::TensorList operands) {
   return r;
 }
 
-// Sum over the slice-table rows of the program's result, shape out_shape, dtype of the operands.
-at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at::IntArrayRef slice_table) {
+// Sum over the slice-table rows of the program's result, shape out_shape, in `dtype`: the
+// operands' (default) or the wider type the rows are summed in (float32 for float16/bfloat16),
+// which leaves the sum unrounded for a caller that adds several calls (slice groups, ranks).
+at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at::IntArrayRef slice_table,
+                            std::optional<at::ScalarType> dtype) {
   ExecutorScope scope;
   check_operands(operands);
+  const at::ScalarType want = dtype.value_or(operands[0].scalar_type());
+  TORCH_CHECK(want == operands[0].scalar_type() || want == accumulate_type(operands[0]),
+              "contract_program: dtype must be the operands' (", operands[0].scalar_type(), ") or ",
+              accumulate_type(operands[0]), ", got ", want);
   GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   check_program(P, operands, slice_table);
@@ -695,14 +702,15 @@ at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at
   const Instr& fin = P.instrs.back();
   if (rows == 1 && fin.blocks.empty()) {
     const int64_t* idx = P.n_sliced ? slice_table.data() : nullptr;
-    return finish_single(run_slice(P, operands, idx, Mode::kRun), operands);
+    at::Tensor r = finish_single(run_slice(P, operands, idx, Mode::kRun), operands);
+    return r.scalar_type() == want ? r : r.to(want);
   }
   at::Tensor out = at::zeros(P.out_shape, operands[0].options().dtype(accumulate_type(operands[0])));
   for (int64_t row = 0; row < rows; ++row) {
     const int64_t* idx = slice_table.data() + row * P.n_sliced;
     block_of(out, fin, idx).add_(run_slice(P, operands, idx, Mode::kRun));
   }
-  return to_dtype_of(out, operands[0]);
+  return out.scalar_type() == want ? out : out.to(want);
 }
 
 std::vector<char> slot_needs(const Program& P, at::IntArrayRef needs_grad) {
@@ -1013,8 +1021,9 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
 
 TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
   // Runs a compiled contraction program (see the top of csrc/contract.cpp) once per row of
-  // slice_table and returns the sum of the rows' results (shape from the program's header).
-  m.def("contract_program(Tensor[] operands, int[] program, int[] slice_table) -> Tensor");
+  // slice_table and returns the sum of the rows' results (shape from the program's header),
+  // with the sum in `dtype` (default: the operands'; or their accumulate type, unrounded).
+  m.def("contract_program(Tensor[] operands, int[] program, int[] slice_table, ScalarType? dtype=None) -> Tensor");
   // Gradients of contract_program's result under grad_out, for operands with needs_grad != 0
   // (the others come back as empty tensors). Recomputes one slice at a time, or reuses
   // `cached` (from contract_program_cached; empty list: recompute).

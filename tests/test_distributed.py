@@ -277,3 +277,30 @@ def test_distributed_contract_local_path_fills_stats():
     from torch_gradops import tensornet
     plan = tensornet.plan(expr, *ops, **options)
     assert stats.slices == plan.num_slices > 1 and stats.compute_s > 0 and stats.comm_s == 0
+
+
+def _tn_half_partials_cancelling(rank, world_size):
+    import torch.distributed as dist
+
+    from torch_gradops.distributed import contract
+
+    out = {}
+    for dtype in (torch.float16, torch.bfloat16):
+        # slices 0-1 on rank 0 (partial sum 2048 + 1, which neither dtype holds), 2-3 on rank 1 (-2048)
+        a = torch.tensor([[2048.0], [1.0], [-2048.0], [0.0]], dtype=dtype)
+        v = torch.ones(1, dtype=dtype, requires_grad=True)
+        w = torch.ones(4, dtype=dtype)
+        res = contract("ij,j,i->", a, v, w, slicing=["i"], process_group=dist.group.WORLD)
+        res.backward()
+        out[str(dtype)] = (res.dtype, res.item(), v.grad.dtype, v.grad.item())
+    return out
+
+
+def test_half_precision_partials_cancelling_across_ranks_are_exact():
+    """Each rank's float16/bfloat16 slices are summed in float32 and the ranks' partial results
+    and gradients travel in float32, rounded once after the all_reduce: partial sums that cancel
+    across ranks give what a local contraction gives (rounded per rank they gave 0, not 1)."""
+    for per_dtype in launch(_tn_half_partials_cancelling, 2, timeout=TIMEOUT):
+        for name, (dtype, value, grad_dtype, grad) in per_dtype.items():
+            assert str(dtype) == str(grad_dtype) == name
+            assert value == 1.0 and grad == 1.0, name

@@ -1710,6 +1710,39 @@ def test_half_precision_sums_slices_in_float32(dtype, tol, expr, slicing, table_
             torch.testing.assert_close(x.to(F64), r, rtol=tol, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("table_rows", [None, 1])                       # one executor call, or several
+def test_half_precision_slice_groups_add_unrounded_into_float32_buffers(dtype, table_rows, monkeypatch):
+    """A slice-group loop of the caller's own (cuTensorNet-style, or ranks) adds each group's
+    result into out= and its gradients into grads=: float32 buffers for float16/bfloat16 take
+    them unrounded, so groups whose partial sums cancel lose nothing (rounded, 2048 + 1 - 2048
+    is 0: both dtypes hold 2048 + 1 as 2048); the buffers of the operands' dtype keep rounding."""
+    if table_rows is not None:
+        chunks = tn.slicer.Slices.chunks
+        monkeypatch.setattr(tn.slicer.Slices, "chunks", lambda self, s, max_rows=table_rows: chunks(self, s, max_rows))
+    a = torch.tensor([[2048.0], [1.0], [-2048.0], [0.0]], dtype=dtype)  # a[i, j]
+    v, w = torch.ones(1, dtype=dtype), torch.ones(4, dtype=dtype)
+    p = tn.plan("ij,j,i->", a, v, w, slicing=["i"])
+    assert p.num_slices == 4
+    groups = [range(0, 2), range(2, 4)]  # partial sums 2049 and -2048
+    g_out = torch.ones((), dtype=dtype)
+    for wide, expect in ((torch.float32, 1.0), (dtype, 0.0)):
+        out, grads = torch.zeros((), dtype=wide), [None, torch.zeros(1, dtype=wide), torch.zeros(4, dtype=wide)]
+        for g in groups:
+            p.contract(a, v, w, slices=g, out=out, accumulate=True)
+            p.gradients(a, v, w, output_grad=g_out, slices=g, grads=grads, accumulate=True)
+        assert out.item() == expect and grads[1].item() == expect
+        assert grads[2].tolist() == [2048.0, 1.0, -2048.0, 0.0]
+    out = torch.zeros((), dtype=torch.float32)
+    p.contract(a, v, w, slices=None, out=out)  # one group, written: its sum unrounded as well
+    assert out.item() == 1.0
+    assert p.contract(a, v, w).item() == 1.0  # rounded once: 1 is exact
+    with pytest.raises(TypeError, match=r"or torch.float32, which takes the sum unrounded"):
+        p.contract(a, v, w, out=torch.zeros((), dtype=torch.float64))
+    with pytest.raises(TypeError, match=r"grads\[1\] must have operand 1's dtype \(or torch.float32\)"):
+        p.gradients(a, v, w, output_grad=g_out, grads=[None, torch.zeros(1, dtype=torch.float64), None])
+
+
 @pytest.mark.parametrize("expr", ["ab,bc,cd->ad", "ab,bc,ca->"])
 @pytest.mark.parametrize("memory_limit", [None, 16])
 def test_autocast_follows_einsum(expr, memory_limit):
@@ -1838,6 +1871,14 @@ def test_opcheck():
         grads = [torch.zeros_like(a), a.new_empty((0,)), torch.zeros_like(c)]
         torch.library.opcheck(torch.ops.torch_gradops.contract_program_accumulate.default,
                               ([a, b, c], prog, table, _rand((3, 2), gen=gen), grads))
+    # the sum of bfloat16 slices in float32, unrounded (the fake kernel gives that dtype too)
+    halves = [t.to(torch.bfloat16) for t in (a, b, c)]
+    p = tn.plan("ab,bc,cd->ad", *halves, slicing=["b"])
+    prog, table = list(p.program), list(p.slice_set.table(None))
+    torch.library.opcheck(torch.ops.torch_gradops.contract_program.default, (halves, prog, table, torch.float32))
+    assert torch.ops.torch_gradops.contract_program(halves, prog, table, torch.float32).dtype == torch.float32
+    with pytest.raises(RuntimeError, match="dtype must be the operands'"):
+        torch.ops.torch_gradops.contract_program(halves, prog, table, torch.float64)
 
 
 def test_accumulate_bumps_the_version_of_the_buffers_it_writes():

@@ -3,7 +3,8 @@
 Each rank contracts its slice group; one ``all_reduce`` (sum) combines the partial results,
 which covers both summed sliced modes and sliced output modes (a slice group's result holds its
 output blocks and zeros elsewhere). In backward each rank computes the gradients of its slices
-(one slice's intermediates at a time) and one ``all_reduce`` per dtype sums them, so
+(one slice's intermediates at a time) and one ``all_reduce`` per dtype sums them (float16 and
+bfloat16 results and gradients travel in float32 and are rounded once, after the sum), so
 ``loss.backward()`` on every rank gives every rank the full gradient, provided every rank
 backpropagates the same output gradient (as when each computes the same loss from the full
 result). With no process group initialised it is a plain local contraction.
@@ -17,7 +18,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..tensornet import resolve
+from ..tensornet import parser, resolve
+from ..tensornet.autograd import accumulate_dtype
 
 __all__ = ["contract", "contract_plan", "ContractStats", "DistributedContractFunction", "split_by_cost", "rank_slices"]
 
@@ -70,7 +72,6 @@ def _check_same_plan(plan, operands, group) -> None:
     the same shapes and dtype, and want the same gradients, or the partial sums do not add up
     (or the collectives get buffers of different sizes, which ends a gloo rank and hangs NCCL).
     Randomised optimisers (cotengra's hyper-search) can differ per rank: refuse that too."""
-    from ..tensornet import parser
     net = plan.network
     wants = [bool(torch.is_grad_enabled() and isinstance(op, torch.Tensor) and op.requires_grad) for op in operands]
     mine = {
@@ -104,12 +105,18 @@ class DistributedContractFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan, group, slices, stats, progress, *operands):
         t0 = time.perf_counter()
+        cast = parser.autocast_operands(operands)
+        dtype = parser.promoted_dtype(cast)
         with torch.no_grad():
-            part = plan.contract(*operands, slices=slices, progress=progress)
+            # float16/bfloat16: this rank's slices summed in float32 and travelling unrounded, so
+            # that partial sums cancelling across ranks lose no more than local slices do
+            part = torch.empty(plan.output_shape, dtype=accumulate_dtype(dtype), device=cast[0].device)
+            plan.contract(*cast, slices=slices, out=part, progress=progress)
         _sync(part)
         t1 = time.perf_counter()
         dist.all_reduce(part, group=group)
         _sync(part)
+        part = part.to(dtype)
         if stats is not None:
             stats.compute_s, stats.comm_s, stats.slices = t1 - t0, time.perf_counter() - t1, len(slices)
         ctx.plan, ctx.group, ctx.slices, ctx.stats = plan, group, slices, stats
@@ -125,7 +132,9 @@ class DistributedContractFunction(torch.autograd.Function):
         operands = ctx.saved_tensors
         want = ctx.needs_input_grad[5:]
         t0 = time.perf_counter()
-        grads = [torch.zeros_like(op) if w else None for op, w in zip(operands, want)]
+        # float16/bfloat16 gradients summed (over slices and ranks) in float32, rounded once
+        grads = [torch.zeros_like(op, dtype=accumulate_dtype(op.dtype)) if w else None
+                 for op, w in zip(operands, want)]
         if ctx.slices:
             ctx.plan.gradients(*operands, output_grad=grad_out.contiguous(), slices=ctx.slices,
                                grads=grads, accumulate=True)
@@ -147,7 +156,7 @@ class DistributedContractFunction(torch.autograd.Function):
         if ctx.stats is not None:
             ctx.stats.compute_s += t1 - t0
             ctx.stats.comm_s += time.perf_counter() - t1
-        return (None, None, None, None, None, *grads)
+        return (None, None, None, None, None, *(g if g is None else g.to(op.dtype) for g, op in zip(grads, operands)))
 
 
 def contract_plan(plan, operands, process_group=None, progress: bool = False,

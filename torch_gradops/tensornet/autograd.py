@@ -74,40 +74,45 @@ def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
             torch.complex32: torch.complex64}.get(dtype, dtype)
 
 
-def _forward(plan, operands, group) -> torch.Tensor:
+def _forward(plan, operands, group, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The contraction over a slice group, a bounded number of slices per executor call (the
-    executor sums a call's slices in :func:`accumulate_dtype`, and so does this the calls)."""
+    executor sums a call's slices in :func:`accumulate_dtype`, and so does this the calls), in
+    ``dtype``: the operands' (default), or :func:`accumulate_dtype` for the sum unrounded."""
+    dtype = dtype or operands[0].dtype
+    acc = accumulate_dtype(operands[0].dtype)
     total = None
     for table in plan.slice_set.chunks(group):
-        part = ops.contract_program(list(operands), list(plan.program), list(table))
-        if total is None:
-            total = part
+        if total is None:  # a single call rounds its own sum only where the result is wanted rounded
+            total = ops.contract_program(list(operands), list(plan.program), list(table), dtype)
         else:
-            total = total.to(accumulate_dtype(part.dtype)).add_(part)
-    return total.to(operands[0].dtype) if total is not None else operands[0].new_zeros(plan.output_shape)
+            part = ops.contract_program(list(operands), list(plan.program), list(table), acc)
+            total = total.to(acc).add_(part)
+    return total.to(dtype) if total is not None else operands[0].new_zeros(plan.output_shape, dtype=dtype)
 
 
-def _backward(plan, operands, group, grad_out, needs, kept=()) -> List[torch.Tensor]:
+def _backward(plan, operands, group, grad_out, needs, kept=(), rounded: bool = True) -> List[torch.Tensor]:
     """Operand gradients over a slice group under ``grad_out`` (entries not in ``needs``: empty),
-    summed over the slices in :func:`accumulate_dtype`."""
+    summed over the slices in :func:`accumulate_dtype`; in the operands' dtypes, or with
+    ``rounded=False`` in :func:`accumulate_dtype` (for a caller that adds several groups)."""
     grad_out = grad_out.to(operands[0].dtype)
     tables = plan.slice_set.chunks(group)
     first = next(tables, None)
-    if first is None:
-        return [torch.zeros_like(op) if n else op.new_empty((0,)) for op, n in zip(operands, needs)]
-    second = next(tables, None)
     acc = accumulate_dtype(operands[0].dtype)
-    if second is None or acc == operands[0].dtype:
+    if first is None:
+        return [torch.zeros_like(op, dtype=None if rounded else acc) if n else op.new_empty((0,))
+                for op, n in zip(operands, needs)]
+    second = next(tables, None)
+    if (second is None and rounded) or acc == operands[0].dtype:
         grads = ops.contract_program_backward(list(operands), list(plan.program), list(first), grad_out,
                                               [int(n) for n in needs], list(kept))
         rest = [] if second is None else [second]
-    else:  # several executor calls on float16/bfloat16: float32 buffers from the first one
+    else:  # several executor calls on float16/bfloat16, or unrounded: float32 buffers from the first one
         grads = [torch.zeros_like(op, dtype=acc, memory_format=torch.contiguous_format) if n else op.new_empty((0,))
                  for op, n in zip(operands, needs)]
-        rest = [first, second]
+        rest = [first] if second is None else [first, second]
     for table in itertools.chain(rest, tables):  # further chunks add into the same buffers
         ops.contract_program_accumulate(list(operands), list(plan.program), list(table), grad_out, grads)
-    return [g.to(op.dtype) if n else g for g, op, n in zip(grads, operands, needs)]
+    return [g.to(op.dtype) if n and rounded else g for g, op, n in zip(grads, operands, needs)]
 
 
 class ContractFunction(torch.autograd.Function):
@@ -301,9 +306,10 @@ def _traced(plan, operands, group) -> torch.Tensor:
     return _forward(plan, operands, group)
 
 
-def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
+def contract_prepared(plan, eff, slices, progress: bool, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Contract preprocessed operands ``eff`` over a slice group, through the autograd Function
-    when a gradient, forward AD or a torch.func transform may need it."""
+    when a gradient, forward AD or a torch.func transform may need it. ``dtype``: where no
+    Function runs, the result's (:func:`_forward`; default: the operands')."""
     group = plan.slice_set.group(slices)
     if len(group) == 0 and plan.num_slices > 0:  # an empty slice group (a rank given no slices)
         if not _needs_function(eff) or torch.compiler.is_compiling() or route(eff, vmap_traceable=False) != FUNCTION:
@@ -313,7 +319,7 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
     parts = plan.hoisted
     if parts is not None:  # the slice-invariant subtrees once, then the sliced rest
         results = [contract_prepared(sub, [eff[i] for i in ops_], None, False) for sub, ops_ in parts.subs]
-        return contract_prepared(parts.main, parts.main_inputs(eff, results), group, progress)
+        return contract_prepared(parts.main, parts.main_inputs(eff, results), group, progress, dtype)
     how = route(eff, vmap_traceable=False)
     if how == COMPOSITE:
         return _composite(plan, eff, group)
@@ -338,27 +344,27 @@ def contract_prepared(plan, eff, slices, progress: bool) -> torch.Tensor:
             for c in range(0, len(group), step):
                 part_group = group[c:c + step]
                 part = ContractFunction.apply(plan, part_group, _mode(plan, eff, part_group), *eff)[0] if grad \
-                    else _forward(plan, eff, part_group)
+                    else _forward(plan, eff, part_group, accumulate_dtype(eff[0].dtype))
                 total = part if total is None else total.to(accumulate_dtype(part.dtype)) + part
                 bar.update(len(part_group))
-        return total.to(part.dtype)
+        return total.to(eff[0].dtype if grad else dtype or eff[0].dtype)
     if not grad:
-        return _forward(plan, eff, group)
+        return _forward(plan, eff, group, dtype)
     if torch.compiler.is_compiling():
         return _traced(plan, eff, group)
     return ContractFunction.apply(plan, group, _mode(plan, eff, group), *eff)[0]
 
 
-def _eff_gradients(plan, eff, group, grad_out, want) -> List[torch.Tensor]:
+def _eff_gradients(plan, eff, group, grad_out, want, rounded: bool = True) -> List[torch.Tensor]:
     """:func:`_backward` of a plan, hoisted (``plan.hoisted``) or not: for a hoisted plan the
     gradients of the sliced rest, those of the subtrees' results passed through the subtrees."""
     parts = plan.hoisted
     if parts is None:
-        return _backward(plan, eff, group, grad_out, want)
+        return _backward(plan, eff, group, grad_out, want, rounded=rounded)
     results = [_forward(sub, [eff[i] for i in ops_], sub.slice_set.group(None)) for sub, ops_ in parts.subs]
     main_want = [want[i] if kind == "op" else any(want[j] for j in parts.subs[i][1])
                  for kind, i in parts.main_operands]
-    main_grads = _backward(parts.main, parts.main_inputs(eff, results), group, grad_out, main_want)
+    main_grads = _backward(parts.main, parts.main_inputs(eff, results), group, grad_out, main_want, rounded=rounded)
     out = [op.new_empty((0,)) for op in eff]
     for (kind, i), g, w in zip(parts.main_operands, main_grads, main_want):
         if not w:
@@ -368,8 +374,8 @@ def _eff_gradients(plan, eff, group, grad_out, want) -> List[torch.Tensor]:
             continue
         sub, ops_ = parts.subs[i]
         sub_want = [want[j] for j in ops_]
-        for j, gj, wj in zip(ops_, _backward(sub, [eff[j] for j in ops_], sub.slice_set.group(None), g, sub_want),
-                             sub_want):
+        for j, gj, wj in zip(ops_, _backward(sub, [eff[j] for j in ops_], sub.slice_set.group(None), g, sub_want,
+                                             rounded=rounded), sub_want):
             if wj:
                 out[j] = gj
     return out
@@ -391,29 +397,35 @@ def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):
             got = tuple(buf.shape) if isinstance(buf, torch.Tensor) else type(buf).__name__
             raise ValueError(f"grads[{i}] must be None or a tensor of operand {i}'s shape {shape}, got {got}")
         op = operands[i] if i < len(operands) else None
-        if buf is not None and isinstance(op, torch.Tensor) and (buf.dtype != op.dtype or buf.device != op.device):
-            # a gradient is written as the operand's dtype: another buffer dtype would truncate it
-            raise TypeError(f"grads[{i}] must have operand {i}'s dtype and device ({op.dtype}, {op.device}), got "
-                            f"{buf.dtype}, {buf.device}")
+        if buf is not None and isinstance(op, torch.Tensor) and (
+                buf.dtype not in (op.dtype, accumulate_dtype(op.dtype)) or buf.device != op.device):
+            # another buffer dtype would truncate the gradient (float32 for a float16/bfloat16
+            # operand takes it unrounded: slice groups added across calls or ranks)
+            wide = "" if accumulate_dtype(op.dtype) == op.dtype else f" (or {accumulate_dtype(op.dtype)})"
+            raise TypeError(f"grads[{i}] must have operand {i}'s dtype{wide} and device ({op.dtype}, {op.device}), "
+                            f"got {buf.dtype}, {buf.device}")
     with torch.no_grad():
         raw_ops = [op.detach() if isinstance(op, torch.Tensor) else op for op in operands]
         eff = plan.prepare(raw_ops)
         if output_grad.is_complex() and not eff[0].is_complex():  # as autograd refuses it
             raise TypeError(f"output_grad is complex ({output_grad.dtype}) but the result is real ({eff[0].dtype}): "
                             f"pass its real part")
-        raw = _eff_gradients(plan, eff, plan.slice_set.group(slices), output_grad, want)
+        # a float32 buffer for a float16/bfloat16 operand: the gradients come unrounded
+        rounded = not any(buf is not None and buf.dtype != op.dtype for buf, op in zip(grads or (), eff))
+        raw = _eff_gradients(plan, eff, plan.slice_set.group(slices), output_grad, want, rounded=rounded)
         geff = [g if w else None for g, w in zip(raw, want)]
     result = []
     for i, g in enumerate(geff):
         steps = plan.network.pre[i]
         if g is not None and steps is not None:  # undo diagonal / squeeze: the views' backward
             with torch.enable_grad():
-                leaf = raw_ops[i].to(eff[i].dtype).detach().requires_grad_(True)
+                leaf = raw_ops[i].to(g.dtype).detach().requires_grad_(True)
                 g, = torch.autograd.grad(apply_steps(leaf, steps), leaf, g)
-        if g is not None and g.dtype != raw_ops[i].dtype:
+        want_dtype = raw_ops[i].dtype if grads is None or grads[i] is None else grads[i].dtype
+        if g is not None and g.dtype != want_dtype:
             # the operand was promoted (to a wider or complex dtype): its gradient is that of the
             # cast, as autograd gives it (the real part for a real operand)
-            g = (g.real if g.is_complex() and not raw_ops[i].is_complex() else g).to(raw_ops[i].dtype)
+            g = (g.real if g.is_complex() and not raw_ops[i].is_complex() else g).to(want_dtype)
         if g is not None and grads is not None:
             grads[i].add_(g) if accumulate else grads[i].copy_(g)
             g = grads[i]

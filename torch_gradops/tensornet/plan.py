@@ -145,7 +145,9 @@ class ContractionPlan:
         """Contract ``operands`` (shapes as planned) over the slice group ``slices`` (None: all;
         an int, a range or a list of slice ids: their partial sum, or their output blocks when
         a sliced mode is an output mode). ``out``: write (or with ``accumulate`` add) the
-        result into this tensor (no autograd). ``progress``: a tqdm bar over slices.
+        result into this tensor (no autograd), of the result's dtype or, for float16/bfloat16,
+        float32: the slices' sum then is not rounded, so that groups added across calls (or
+        ranks) lose no more than one group. ``progress``: a tqdm bar over slices.
         Returns a tensor of shape :attr:`output_shape`, differentiable in the operands; under
         ``torch.autocast`` (without ``out``), in autocast's dtype
         (:func:`~.parser.autocast_operands`)."""
@@ -154,12 +156,14 @@ class ContractionPlan:
             return autograd.contract_prepared(self, eff, slices, progress)
         if tuple(out.shape) != self.output_shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, the result has {self.output_shape}")
-        if out.dtype != eff[0].dtype or out.device != eff[0].device:
+        wide = autograd.accumulate_dtype(eff[0].dtype)
+        if out.dtype not in (eff[0].dtype, wide) or out.device != eff[0].device:
             # copy_/add_ would cast (truncating into an integer out) or cross devices silently
-            raise TypeError(f"out must have the result's dtype and device ({eff[0].dtype}, {eff[0].device}), got "
-                            f"{out.dtype}, {out.device}")
+            also = "" if wide == eff[0].dtype else f" (or {wide}, which takes the sum unrounded)"
+            raise TypeError(f"out must have the result's dtype{also} and device ({eff[0].dtype}, {eff[0].device}), "
+                            f"got {out.dtype}, {out.device}")
         with torch.no_grad():
-            res = autograd.contract_prepared(self, eff, slices, progress)
+            res = autograd.contract_prepared(self, eff, slices, progress, out.dtype)
             return out.add_(res) if accumulate else out.copy_(res)
 
     __call__ = contract
@@ -170,7 +174,8 @@ class ContractionPlan:
 
         ``grads``: None to compute every operand's gradient, or one entry per operand, a
         tensor of the operand's shape to write (``accumulate``: add) its gradient into or None
-        to skip it. Returns the list of gradients (None where skipped). No autograd graph."""
+        to skip it; of the operand's dtype or, for float16/bfloat16, float32 (the gradient
+        then comes unrounded). Returns the list of gradients (None where skipped). No autograd graph."""
         return autograd.operand_gradients(self, operands, output_grad, slices, grads, accumulate)
 
     # -- derivative networks ------------------------------------------------------------------

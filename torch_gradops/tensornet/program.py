@@ -189,8 +189,8 @@ def executor_reencode(ints: Sequence[int], n_operands: int) -> Tuple[int, ...]:
 
 # ---------------------------------------------------------------------------- fake kernels
 @torch.library.register_fake("torch_gradops::contract_program")
-def _contract_program_fake(operands, program, slice_table):
-    return operands[0].new_empty(decode(program).out_shape)
+def _contract_program_fake(operands, program, slice_table, dtype=None):
+    return operands[0].new_empty(decode(program).out_shape, dtype=dtype)
 
 
 @torch.library.register_fake("torch_gradops::contract_program_cached")
