@@ -79,15 +79,18 @@ def _forward(plan, operands, group, dtype: Optional[torch.dtype] = None) -> torc
     executor sums a call's slices in :func:`accumulate_dtype`, and so does this the calls), in
     ``dtype``: the operands' (default), or :func:`accumulate_dtype` for the sum unrounded."""
     dtype = dtype or operands[0].dtype
+    tables = plan.slice_set.chunks(group)
+    first, second = next(tables, None), next(tables, None)
+    if first is None:
+        return operands[0].new_zeros(plan.output_shape, dtype=dtype)
+    if second is None:  # one call: it rounds its own sum, where the result is wanted rounded
+        return ops.contract_program(list(operands), list(plan.program), list(first), dtype)
     acc = accumulate_dtype(operands[0].dtype)
     total = None
-    for table in plan.slice_set.chunks(group):
-        if total is None:  # a single call rounds its own sum only where the result is wanted rounded
-            total = ops.contract_program(list(operands), list(plan.program), list(table), dtype)
-        else:
-            part = ops.contract_program(list(operands), list(plan.program), list(table), acc)
-            total = total.to(acc).add_(part)
-    return total.to(dtype) if total is not None else operands[0].new_zeros(plan.output_shape, dtype=dtype)
+    for table in itertools.chain((first, second), tables):
+        part = ops.contract_program(list(operands), list(plan.program), list(table), acc)
+        total = part if total is None else total.add_(part)
+    return total.to(dtype)
 
 
 def _backward(plan, operands, group, grad_out, needs, kept=(), rounded: bool = True) -> List[torch.Tensor]:
