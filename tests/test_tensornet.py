@@ -1898,6 +1898,36 @@ def test_accumulate_bumps_the_version_of_the_buffers_it_writes():
         z.backward()
 
 
+_SUBPROCESS_FAKES = r"""
+import torch
+import torch_gradops  # nothing else: what a user's script imports
+from torch_gradops import tensornet as tn
+ops = sorted(n for n in torch._C._dispatch_get_all_op_names() if n.startswith("torch_gradops::"))
+missing = [n for n in ops if torch._library.simple_registry.singleton.find(n).fake_impl.kernel is None]
+assert len(ops) >= 10 and not missing, missing
+f = torch.compile(lambda a, b, c: tn.contract("abx,bcy,cax->y", a, b, c, memory_limit="256B"))
+for n in (8, 6, 5):  # a second shape recompiles with symbolic sizes
+    ops = [torch.randn(n, n, 4, dtype=torch.float64) for _ in range(3)]
+    torch.testing.assert_close(f(*ops), torch.einsum("abx,bcy,cax->y", *ops))
+print("ok")
+"""
+
+
+def test_every_op_has_its_fake_kernel_after_import_torch_gradops():
+    """The executor ops' fake kernels were registered only when something imported
+    tensornet.program (the tests did): in a user's process FakeTensor ran the C++ executor on
+    meta tensors instead, which worked for static shapes and failed torch.compile's recompile
+    with symbolic ones ("Cannot call numel() on tensor with symbolic sizes/strides"). A fresh
+    process, importing only torch_gradops."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root)
+    res = subprocess.run([sys.executable, "-c", _SUBPROCESS_FAKES], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().endswith("ok"), res.stderr[-3000:]
+
+
 def test_torch_compile_fullgraph_matches_eager():
     gen = torch.Generator().manual_seed(21)
     a, b, c = _rand((3, 4), gen=gen), _rand((4, 5), gen=gen), _rand((5, 2), gen=gen)

@@ -23,6 +23,7 @@ import torch
 
 from .._transforms import COMPOSITE, FUNCTION, FUSED_JVP, is_legacy_batched, is_transformed, join_dual, route, split_duals
 from ..library import ops
+from . import program  # noqa: F401  (registers the fake kernels of the executor's ops, which this module calls)
 from .parser import apply_steps
 
 __all__ = ["ContractFunction", "contract_prepared", "operand_gradients", "accumulate_dtype", "PLAIN", "KEEP", "FUSED"]
