@@ -12,6 +12,7 @@ result). With no process group initialised it is a plain local contraction.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -119,12 +120,20 @@ class DistributedContractFunction(torch.autograd.Function):
         part = part.to(dtype)
         if stats is not None:
             stats.compute_s, stats.comm_s, stats.slices = t1 - t0, time.perf_counter() - t1, len(slices)
-        ctx.plan, ctx.group, ctx.slices, ctx.stats = plan, group, slices, stats
+        # the group by weak reference: an autograd graph still alive at exit (a script's last
+        # output) kept it, and with it gloo's worker threads, past destroy_process_group into
+        # interpreter shutdown, where a worker releasing its last work's tensors aborts the
+        # process ("terminate called without an active exception", about 1 run in 10)
+        ctx.plan, ctx.group, ctx.slices, ctx.stats = plan, weakref.ref(group), slices, stats
         ctx.save_for_backward(*operands)
         return part
 
     @staticmethod
     def backward(ctx, grad_out):
+        group = ctx.group()
+        if group is None:
+            raise RuntimeError("the process group of this distributed contraction was destroyed before its backward; "
+                               "backpropagate before torch.distributed.destroy_process_group()")
         if torch.is_grad_enabled():
             raise NotImplementedError(
                 "create_graph=True through a distributed contraction is not supported; contract "
@@ -146,7 +155,7 @@ class DistributedContractFunction(torch.autograd.Function):
         for dtype in dict.fromkeys(g.dtype for g in needed):
             group_grads = [g for g in needed if g.dtype == dtype]
             flat = torch.cat([g.reshape(-1) for g in group_grads])
-            dist.all_reduce(flat, group=ctx.group)
+            dist.all_reduce(flat, group=group)
             offset = 0
             for g in group_grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
