@@ -1947,6 +1947,21 @@ def test_torch_compile_fullgraph_matches_eager():
         _close(x, y)
 
 
+def test_fullgraph_compile_without_a_plan_says_to_plan_first():
+    """Without a cached plan, fullgraph=True stops at the planner; the error said only "Skip
+    calling torch.compiler.disable()d function" (reason: None)."""
+    tn.clear_plan_cache()
+    torch._dynamo.reset()
+    a, b = torch.randn(7, 9, dtype=F64), torch.randn(9, 3, dtype=F64)
+    compiled = torch.compile(lambda a, b: tn.contract("ab,bc->ac", a, b, slicing=["b"]), fullgraph=True,
+                             backend="aot_eager")
+    with pytest.raises(Exception, match="plan it before compiling"):
+        compiled(a, b)
+    tn.plan("ab,bc->ac", a, b, slicing=["b"])  # planned: the same call compiles
+    torch._dynamo.reset()
+    _close(compiled(a, b), a @ b)
+
+
 def test_progress_bar(capsys):
     gen = torch.Generator().manual_seed(22)
     a, b = _rand((3, 4), gen=gen, requires_grad=True), _rand((4, 5), gen=gen)

@@ -514,7 +514,19 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
     return best[1]
 
 
-@torch.compiler.disable  # planning is host-side Python (opt_einsum/cotengra); plan before compiling
+def _not_compiled(fn):
+    """Planning is host-side Python (opt_einsum, cotengra): Dynamo skips it, and under
+    ``fullgraph=True`` its error gives this reason (torch >= 2.8 takes one)."""
+    reason = ("torch_gradops plans a contraction in Python: plan it before compiling (call tn.plan or "
+              "tn.contract once with the same expression, shapes and options; the plan cache serves the "
+              "compiled call), or pass plan=")
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:
+        return torch.compiler.disable(fn)
+
+
+@_not_compiled
 def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing,
                device=None, interleaved=False, path_cache=None, max_overhead=1e4, hoist: bool = True,
                reserve: int = 0) -> ContractionPlan:
