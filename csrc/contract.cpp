@@ -693,8 +693,9 @@ at::Tensor contract_program(at::TensorList operands, at::IntArrayRef program, at
   check_operands(operands);
   const at::ScalarType want = dtype.value_or(operands[0].scalar_type());
   TORCH_CHECK(want == operands[0].scalar_type() || want == accumulate_type(operands[0]),
-              "contract_program: dtype must be the operands' (", operands[0].scalar_type(), ") or ",
-              accumulate_type(operands[0]), ", got ", want);
+              "contract_program: dtype must be the operands' (", operands[0].scalar_type(), ")",
+              accumulate_type(operands[0]) == operands[0].scalar_type() ? "" : " or their accumulate type",
+              ", got ", want);
   GemmTeamScope team(team_threads(operands[0]));
   const Program P = decode_program(program, static_cast<int64_t>(operands.size()));
   check_program(P, operands, slice_table);
@@ -977,9 +978,9 @@ std::vector<at::Tensor> contract_program_backward(at::TensorList operands, at::I
 
 // Adds into `grads` the operands' gradients of the sum over the slice-table rows (entries with no
 // elements: not wanted). With grad_out, under it, returning an empty tensor; without, under a unit
-// output cotangent (the output must have one element) and returning the value as well: the
-// forward and the backward of each slice in one pass, so a scalar's gradient costs one
-// recomputation less.
+// output cotangent (the output must have one element) and returning the value as well (in the
+// accumulate type): the forward and the backward of each slice in one pass, so a scalar's
+// gradient costs one recomputation less.
 at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef program,
                                        at::IntArrayRef slice_table, const std::optional<at::Tensor>& grad_out,
                                        at::TensorList grads) {
@@ -1014,7 +1015,7 @@ at::Tensor contract_program_accumulate(at::TensorList operands, at::IntArrayRef 
   const at::Tensor unit = at::ones(P.out_shape, operands[0].options());
   accumulate_gradients(P, operands, slice_table, unit, needs, {}, into, &value);
   bump_versions(into, needs);
-  return to_dtype_of(value, operands[0]);
+  return value;  // in the accumulate type: a caller adding several calls rounds once
 }
 
 }  // namespace torch_gradops
@@ -1032,7 +1033,8 @@ TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
       "int[] needs_grad, Tensor[] cached) -> Tensor[]");
   // Adds the operands' gradients over the slice-table rows into `grads` (entries with no
   // elements: not wanted); without grad_out (a one-element output only) under a unit cotangent,
-  // also returning the value: forward and backward of each slice in one pass.
+  // also returning the value (in the operands' accumulate type, float32 for float16/bfloat16,
+  // unrounded): forward and backward of each slice in one pass.
   m.def(
       "contract_program_accumulate(Tensor[] operands, int[] program, int[] slice_table, Tensor? grad_out, "
       "Tensor(a!)[] grads) -> Tensor");

@@ -1743,6 +1743,44 @@ def test_half_precision_slice_groups_add_unrounded_into_float32_buffers(dtype, t
         p.gradients(a, v, w, output_grad=g_out, grads=[None, torch.zeros(1, dtype=torch.float64), None])
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_hoisted_subtree_gradients_add_unrounded(dtype):
+    """A hoisted plan (slice-invariant subtree A B C computed once) in a slice-group loop with
+    float32 gradient buffers: the subtree's backward took its result's gradient in the
+    operands' dtype, so A's gradient was rounded per group (2048 + 1 - 2048 gave 0)."""
+    shapes = [(3, 4), (4, 5), (5, 3), (3, 6), (6, 3)]
+    ops = [torch.zeros(s, dtype=dtype) for s in shapes]
+    ops[0][0, 0] = ops[1][0, 0] = ops[2][0, 0] = 1
+    ops[3][0] = torch.tensor([2048.0, 1, 0, -2048, 0, 0])
+    ops[4][:, 0] = 1
+    p = tn.plan("ab,bc,cd,de,ea->", *ops, memory_limit="1MiB", slicing=["e"])
+    assert p.hoisted is not None and p.num_slices == 6
+    out, grads = torch.zeros(()), [torch.zeros(s) for s in shapes]
+    for g in (range(0, 3), range(3, 6)):
+        p.contract(*ops, slices=g, out=out, accumulate=True)
+        p.gradients(*ops, output_grad=torch.ones((), dtype=dtype), slices=g, grads=grads, accumulate=True)
+    ref = [o.double().requires_grad_(True) for o in ops]
+    value = torch.einsum("ab,bc,cd,de,ea->", *ref)
+    for g, r in zip(grads, torch.autograd.grad(value, ref)):
+        assert torch.equal(g.double(), r)
+    assert out.item() == value.item() == 1.0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_fused_value_of_several_executor_calls_is_rounded_once(dtype, monkeypatch):
+    """A one-element output that requires grad (the fused path) over a group of several
+    executor calls (more than 65,536 slices; here forced) added each call's value rounded to the
+    operands' dtype: 2048 + 1 in one call and -2048 in the next gave 0."""
+    chunks = tn.slicer.Slices.chunks
+    monkeypatch.setattr(tn.slicer.Slices, "chunks", lambda self, s, max_rows=2: chunks(self, s, max_rows))
+    a = torch.tensor([[2048.0], [1.0], [-2048.0], [0.0]], dtype=dtype)
+    v, w = torch.ones(1, dtype=dtype, requires_grad=True), torch.ones(4, dtype=dtype)
+    p = tn.plan("ij,j,i->", a, v, w, slicing=["i"])
+    out = p.contract(a, v, w)
+    out.backward()
+    assert out.dtype == dtype and out.item() == 1.0 and v.grad.item() == 1.0
+
+
 @pytest.mark.parametrize("expr", ["ab,bc,cd->ad", "ab,bc,ca->"])
 @pytest.mark.parametrize("memory_limit", [None, 16])
 def test_autocast_follows_einsum(expr, memory_limit):

@@ -23,7 +23,7 @@ import torch
 
 from .._transforms import COMPOSITE, FUNCTION, FUSED_JVP, is_legacy_batched, is_transformed, join_dual, route, split_duals
 from ..library import ops
-from . import program  # noqa: F401  (registers the fake kernels of the executor's ops, which this module calls)
+from .program import accumulate_dtype  # (the module also registers the executor ops' fake kernels)
 from .parser import apply_steps
 
 __all__ = ["ContractFunction", "contract_prepared", "operand_gradients", "accumulate_dtype", "PLAIN", "KEEP", "FUSED"]
@@ -66,13 +66,6 @@ def _engine_needs(ctx, needs):
             except RuntimeError:
                 pass
     return needs
-
-
-def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype sums over slices run in: float32 for float16/bfloat16 (complex64 for
-    complex32), as the executor's own (``accumulate_type`` in csrc/contract.cpp)."""
-    return {torch.float16: torch.float32, torch.bfloat16: torch.float32,
-            torch.complex32: torch.complex64}.get(dtype, dtype)
 
 
 def _forward(plan, operands, group, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
@@ -145,7 +138,7 @@ class ContractFunction(torch.autograd.Function):
             value = None
             for table in plan.slice_set.chunks(slices):
                 part = ops.contract_program_accumulate(list(operands), list(plan.program), list(table), None, units)
-                value = part if value is None else value.to(accumulate_dtype(part.dtype)).add_(part)
+                value = part if value is None else value.add_(part)  # each call's value is unrounded
             if value is None:
                 value = operands[0].new_zeros(plan.output_shape)
             return (value.to(operands[0].dtype), *(u.to(t.dtype) for u, t in zip(units, operands)))
@@ -361,7 +354,8 @@ def contract_prepared(plan, eff, slices, progress: bool, dtype: Optional[torch.d
 
 def _eff_gradients(plan, eff, group, grad_out, want, rounded: bool = True) -> List[torch.Tensor]:
     """:func:`_backward` of a plan, hoisted (``plan.hoisted``) or not: for a hoisted plan the
-    gradients of the sliced rest, those of the subtrees' results passed through the subtrees."""
+    gradients of the sliced rest, those of the subtrees' results passed through the subtrees;
+    ``rounded=False``: in :func:`accumulate_dtype`, unrounded (:func:`_sub_backward`)."""
     parts = plan.hoisted
     if parts is None:
         return _backward(plan, eff, group, grad_out, want, rounded=rounded)
@@ -378,11 +372,26 @@ def _eff_gradients(plan, eff, group, grad_out, want, rounded: bool = True) -> Li
             continue
         sub, ops_ = parts.subs[i]
         sub_want = [want[j] for j in ops_]
-        for j, gj, wj in zip(ops_, _backward(sub, [eff[j] for j in ops_], sub.slice_set.group(None), g, sub_want,
-                                             rounded=rounded), sub_want):
+        sub_ops = [eff[j] for j in ops_]
+        for j, gj, wj in zip(ops_, _sub_backward(sub, sub_ops, g, sub_want, rounded), sub_want):
             if wj:
                 out[j] = gj
     return out
+
+
+def _sub_backward(sub, operands, g, want, rounded: bool) -> List[torch.Tensor]:
+    """A hoisted subtree's operand gradients under its result's gradient ``g``. Unrounded (``g``
+    in float32 for float16/bfloat16 operands, which the executor takes in their dtype), ``g`` goes
+    in as two parts, its rounding and the rest, whose gradients add up in float32: the
+    backward is linear in ``g``, so a slice group's sum keeps about twice the dtype's bits."""
+    group = sub.slice_set.group(None)
+    if rounded or g.dtype == operands[0].dtype:
+        return _backward(sub, operands, group, g, want, rounded=rounded)
+    hi = g.to(operands[0].dtype)
+    lo = (g - hi.to(g.dtype)).to(operands[0].dtype)
+    first = _backward(sub, operands, group, hi, want, rounded=False)
+    second = _backward(sub, operands, group, lo, want, rounded=False)
+    return [a.add_(b) if w else a for a, b, w in zip(first, second, want)]
 
 
 def operand_gradients(plan, operands, output_grad, slices, grads, accumulate):

@@ -31,7 +31,7 @@ from .. import library  # loads the ops, which must be registered before their f
 
 __all__ = ["VERSION", "SELECT", "SUM", "CONTRACT", "FINAL", "CHECKPOINT", "Select", "Sum", "Contract",
            "Final", "Checkpoint", "Program", "encode", "decode", "cached_shapes", "executor_format",
-           "executor_reencode"]
+           "executor_reencode", "accumulate_dtype"]
 
 VERSION = 1
 SELECT, SUM, CONTRACT, FINAL, CHECKPOINT = 1, 2, 3, 4, 5
@@ -188,8 +188,19 @@ def executor_reencode(ints: Sequence[int], n_operands: int) -> Tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------------- fake kernels
+def accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the executor sums slices in: float32 for float16/bfloat16 (complex64 for
+    complex32), else the operands' own (``accumulate_type`` in csrc/contract.cpp)."""
+    return {torch.float16: torch.float32, torch.bfloat16: torch.float32,
+            torch.complex32: torch.complex64}.get(dtype, dtype)
+
+
 @torch.library.register_fake("torch_gradops::contract_program")
 def _contract_program_fake(operands, program, slice_table, dtype=None):
+    own = operands[0].dtype
+    if dtype is not None and dtype not in (own, accumulate_dtype(own)):  # as the executor checks
+        raise RuntimeError(f"contract_program: dtype must be the operands' ({own}) or their accumulate type, "
+                           f"got {dtype}")
     return operands[0].new_empty(decode(program).out_shape, dtype=dtype)
 
 
@@ -210,4 +221,5 @@ def _contract_program_backward_fake(operands, program, slice_table, grad_out, ne
 def _contract_program_accumulate_fake(operands, program, slice_table, grad_out, grads):
     if grad_out is not None:
         return operands[0].new_empty((0,))
-    return operands[0].new_empty(decode(program).out_shape)
+    # the value in the accumulate type (float32 for float16/bfloat16), as the executor returns it
+    return operands[0].new_empty(decode(program).out_shape, dtype=accumulate_dtype(operands[0].dtype))
