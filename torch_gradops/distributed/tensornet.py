@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..tensornet import parser, resolve
-from ..tensornet.autograd import accumulate_dtype
+from ..tensornet.program import accumulate_dtype
 
 __all__ = ["contract", "contract_plan", "ContractStats", "DistributedContractFunction", "split_by_cost", "rank_slices"]
 

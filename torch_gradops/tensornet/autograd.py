@@ -26,7 +26,7 @@ from ..library import ops
 from .program import accumulate_dtype  # (the module also registers the executor ops' fake kernels)
 from .parser import apply_steps
 
-__all__ = ["ContractFunction", "contract_prepared", "operand_gradients", "accumulate_dtype", "PLAIN", "KEEP", "FUSED"]
+__all__ = ["ContractFunction", "contract_prepared", "operand_gradients", "PLAIN", "KEEP", "FUSED"]
 
 PLAIN, KEEP, FUSED = "plain", "keep", "fused"
 

@@ -11,7 +11,7 @@ import torch
 
 from ..library import check_backend
 from .._units import format_bytes
-from . import autograd, parser, paths, slicer
+from . import autograd, parser, paths, program, slicer
 from .compiler import compile_program
 
 __all__ = ["ContractionPlan", "build_plan", "PlanCache", "PLANS"]
@@ -156,7 +156,7 @@ class ContractionPlan:
             return autograd.contract_prepared(self, eff, slices, progress)
         if tuple(out.shape) != self.output_shape:
             raise ValueError(f"out has shape {tuple(out.shape)}, the result has {self.output_shape}")
-        wide = autograd.accumulate_dtype(eff[0].dtype)
+        wide = program.accumulate_dtype(eff[0].dtype)
         if out.dtype not in (eff[0].dtype, wide) or out.device != eff[0].device:
             # copy_/add_ would cast (truncating into an integer out) or cross devices silently
             also = "" if wide == eff[0].dtype else f" (or {wide}, which takes the sum unrounded)"
