@@ -22,8 +22,9 @@ Times: ``plan_s`` (path search and slicing; for ours everything ``tn.plan`` does
 (what a single call costs, planning included: the targets compare this); ``run_s`` is the
 median of 3-20 runs, as many as fit in about a second after the first (1 for runs of 5 s or
 more); ``--repeat N`` runs each configuration's timing process N times, alternating between
-the implementations, and keeps the fastest. Peak memory: the growth of the process's
-resident-set high-water mark over one forward + backward
+the implementations, and keeps the fastest (also recording every process's total and their
+median: the peer's search is unseeded, so its plan and time vary from process to process).
+Peak memory: the growth of the process's resident-set high-water mark over one forward + backward
 (``torch_gradops.testing.PeakMemory``), measured in a separate process with glibc's mmap
 threshold fixed at 128 KiB (``MALLOC_MMAP_THRESHOLD_``), so that freed tensors go back to the
 OS instead of staying in the heap as slack: every page touched, an upper bound on tensor
@@ -327,15 +328,21 @@ def main():
     # The timing processes of one network and limit alternate between the implementations
     # (ours, peer, ours, peer, ...), so that a slow spell of this shared VM hits both alike.
     best = [None] * len(chosen)
+    totals = [[] for _ in chosen]  # every timing process's total_s, for the median over processes
     for rep in range(args.repeat):
         for i, (spec, impl) in enumerate(chosen):
             t = run_worker(__file__, [json.dumps(spec), impl], timeout=1800, env=env)
             print(f"  timing {rep + 1}/{args.repeat}: {_name(spec):55s} {impl:13s} "
                   + (f"total {t['total_s']:.3f} s" if "error" not in t else "ERROR"), flush=True)
+            if "error" not in t:
+                totals[i].append(t["total_s"])
             r = best[i]
             if r is None or "error" in r or ("error" not in t and t["total_s"] < r["total_s"]):
                 best[i] = t
-    for (spec, impl), r in zip(chosen, best):
+    for (spec, impl), r, ts in zip(chosen, best, totals):
+        if len(ts) > 1:  # the peer's search is unseeded: its plan, and so its time, varies by process
+            r["totals_s"] = ts
+            r["median_total_s"] = statistics.median(ts)
         if "error" not in r and not on_gpu:  # on a GPU the timing process's allocator peak is exact
             m = run_worker(__file__, [json.dumps(dict(spec, measure="peak", check_grads=False)), impl], timeout=1800,
                            env={**env, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)})
@@ -398,13 +405,17 @@ def main():
             if ours.get("tensor_peak_bytes") is not None:
                 row["within_contract_tensors"] = ours["tensor_peak_bytes"] <= bound
                 contract += f" (tensors: {'met' if row['within_contract_tensors'] else 'MISSED'})"
+        if "median_total_s" in ours and "median_total_s" in peer:
+            row["ours_median"], row["peer_median"] = ours["median_total_s"], peer["median_total_s"]
+            row["ratio_median"] = ours["median_total_s"] / peer["median_total_s"]
         summary.append(row)
         tensors = ""
         if ours.get("tensor_peak_bytes") is not None:
             tensors = f" (tensors {_bytes(ours['tensor_peak_bytes'])} / {_bytes(peer.get('tensor_peak_bytes'))})"
+        median = f" (median of {len(ours['totals_s'])}: {row['ratio_median']:.2f}x)" if "ratio_median" in row else ""
         print(f"| {_name(spec)} | {ours['total_s']:.3f} s ({ours['plan_s']:.3f} + {ours['run_s']:.3f}) | "
               f"{peer['impl']} {peer['total_s']:.3f} s ({peer['plan_s']:.3f} + {peer['run_s']:.3f}) | "
-              f"{ratio:.2f}x | {ours.get('slices', '-')} / {peer.get('slices', '-')} | "
+              f"{ratio:.2f}x{median} | {ours.get('slices', '-')} / {peer.get('slices', '-')} | "
               f"{_bytes(ours['peak_bytes'])} / {_bytes(peer['peak_bytes'])}{tensors} | {contract} |")
     write_json(args.out, dict(machine=info, threads=THREADS, results=results, summary=summary,
                               note="total_s = plan_s + run_s (median steady-state run); peaks: growth of the process's "
