@@ -8,6 +8,13 @@
 
 namespace torch_gradops {
 
+void check_logit_dtype(const at::Tensor& t, at::ScalarType features, at::ScalarType logits, const char* name) {
+  const auto d = t.scalar_type();
+  TORCH_CHECK(d == features || d == gat_acc_type(features), name, " must have the dtype of x_src (", features, ")",
+              features != gat_acc_type(features) ? " or float32" : "", ", got ", d);
+  TORCH_CHECK(d == logits, name, " (", d, ") must have the dtype of a_src (", logits, ")");
+}
+
 void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
                             const c10::optional<at::Tensor>& edge_logits, const at::Tensor& indptr,
                             const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
@@ -26,10 +33,8 @@ void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, co
   TORCH_CHECK(indices.scalar_type() == indptr.scalar_type(), "indices and indptr must share one dtype");
   TORCH_CHECK(indptr.numel() == a_dst.size(0) + 1, "indptr must have num_dst + 1 = ", a_dst.size(0) + 1,
               " entries (a_dst.size(0) + 1), got ", indptr.numel());
-  for (auto* p : {&a_src, &a_dst}) {
-    TORCH_CHECK(p->scalar_type() == x_src.scalar_type(), (p == &a_src ? "a_src" : "a_dst"),
-                " must have the dtype of x_src (", x_src.scalar_type(), "), got ", p->scalar_type());
-  }
+  check_logit_dtype(a_src, x_src.scalar_type(), a_src.scalar_type(), "a_src");
+  check_logit_dtype(a_dst, x_src.scalar_type(), a_src.scalar_type(), "a_dst");
   check_same_device(x_src, "x_src", a_src, "a_src");
   check_same_device(x_src, "x_src", a_dst, "a_dst");
   check_same_device(x_src, "x_src", indptr, "indptr");
@@ -40,8 +45,7 @@ void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, co
   TORCH_CHECK(a_dst.size(0) > 0 || E == 0, "indices has ", E, " edges but a_dst has no destinations to hold them");
   if (edge_logits.has_value()) {
     check_shape(*edge_logits, {E, heads}, "edge_logits");
-    TORCH_CHECK(edge_logits->scalar_type() == x_src.scalar_type(),
-                "edge_logits must have the dtype of x_src");
+    check_logit_dtype(*edge_logits, x_src.scalar_type(), a_src.scalar_type(), "edge_logits");
     check_same_device(x_src, "x_src", *edge_logits, "edge_logits");
   }
   if (dropout_mask.has_value()) {
@@ -68,7 +72,8 @@ void check_gat_backward_args(const at::Tensor& grad_out, const c10::optional<at:
               gat_acc_type(x_src.scalar_type()), ", got ", lse.scalar_type());
   if (grad_alpha.has_value()) {
     check_shape(*grad_alpha, {indices.numel(), heads}, "grad_alpha");
-    TORCH_CHECK(grad_alpha->scalar_type() == x_src.scalar_type(), "grad_alpha must have the dtype of x_src");
+    TORCH_CHECK(grad_alpha->scalar_type() == a_dst.scalar_type(), "grad_alpha must have alpha's dtype (",
+                a_dst.scalar_type(), "), got ", grad_alpha->scalar_type());
     check_same_device(x_src, "x_src", *grad_alpha, "grad_alpha");
   }
   check_index(rev_indptr, "rev_indptr");
@@ -106,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gat_outputs(const GatFor
   const auto opts = a.x_src.options();
   return {at::empty({num_dst, H, C}, opts),
           at::empty({num_dst, H}, opts.dtype(gat_acc_type(a.x_src.scalar_type()))),
-          at::empty({return_alpha ? a.indices.numel() : 0, H}, opts)};
+          at::empty({return_alpha ? a.indices.numel() : 0, H}, a.a_src.options())};
 }
 
 GatBackwardArgs prepare_gat_backward(
@@ -134,10 +139,12 @@ GatBackwardArgs prepare_gat_backward(
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_gat_gradients(const GatBackwardArgs& a) {
   const auto& f = a.fwd;
-  auto empty = [&] { return f.x_src.new_empty({0}); };
-  return {a.want_x ? at::empty_like(f.x_src) : empty(), a.want_a_src ? at::empty_like(f.a_src) : empty(),
-          a.want_a_dst ? at::empty_like(f.a_dst) : empty(),
-          a.want_edge_logits ? at::empty({f.indices.numel(), f.x_src.size(1)}, f.x_src.options()) : empty()};
+  // a skipped gradient is an empty tensor of its input's dtype (the logits' may differ from x_src's)
+  auto empty = [](const at::Tensor& like) { return like.new_empty({0}); };
+  return {a.want_x ? at::empty_like(f.x_src) : empty(f.x_src),
+          a.want_a_src ? at::empty_like(f.a_src) : empty(f.a_src),
+          a.want_a_dst ? at::empty_like(f.a_dst) : empty(f.a_dst),
+          a.want_edge_logits ? at::empty({f.indices.numel(), f.x_src.size(1)}, f.a_src.options()) : empty(f.a_src)};
 }
 
 GatSpmmArgs prepare_gat_spmm(const at::Tensor& weight, const at::Tensor& values, const at::Tensor& indptr,
@@ -197,6 +204,8 @@ GatSddmmArgs prepare_gat_sddmm(const at::Tensor& a, const at::Tensor& b, const a
 
 TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
   // out [num_dst,H,C], lse [num_dst,H] (float32 for half types), alpha [E,H] if return_alpha else [0,H].
+  // The logits (a_src, a_dst, edge_logits) have x_src's dtype, or float32 for half x_src; alpha,
+  // grad_alpha and the logits' gradients have theirs.
   m.def(
       "gat_forward(Tensor x_src, Tensor a_src, Tensor a_dst, Tensor? edge_logits, Tensor indptr, "
       "Tensor indices, Tensor? dropout_mask, float negative_slope, float dropout_scale, "

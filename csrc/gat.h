@@ -2,12 +2,14 @@
 // backend kernels (cpu/gat_cpu.cpp, cuda/gat_cuda.cu).
 #pragma once
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <c10/util/Optional.h>
 
 #include <array>
 #include <cstdlib>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 
 namespace torch_gradops {
 
@@ -88,6 +90,33 @@ GatSddmmArgs prepare_gat_sddmm(const at::Tensor& a, const at::Tensor& b, const a
 // dtype in which half types accumulate and the log-sum-exp is kept.
 inline at::ScalarType gat_acc_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
+}
+
+// Checks that `t` holds logits of features of dtype `features`: that dtype, or float32 for half
+// features (as PyG's layers compute them under autocast: float32 attention parameters times
+// half features), and the same dtype as the other logits (`logits`).
+void check_logit_dtype(const at::Tensor& t, at::ScalarType features, at::ScalarType logits, const char* name);
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Calls f(TypeTag<logit_t>{}) with the element type of the logits (and of alpha and the logits'
+// gradients): scalar_t, or its float32 accumulate type for half features with float32 logits.
+template <typename scalar_t, typename F>
+void with_logit_type(at::ScalarType logits, F&& f) {
+  using acc_t = at::opmath_type<scalar_t>;
+  if constexpr (!std::is_same<acc_t, scalar_t>::value) {
+    if (logits != c10::CppTypeToScalarType<scalar_t>::value) {
+      TORCH_CHECK(logits == c10::CppTypeToScalarType<acc_t>::value, "logits of ",
+                  c10::CppTypeToScalarType<scalar_t>::value, " features must have their dtype or float32, got ",
+                  logits);
+      f(TypeTag<acc_t>{});
+      return;
+    }
+  }
+  f(TypeTag<scalar_t>{});
 }
 
 }  // namespace torch_gradops

@@ -114,6 +114,62 @@ def test_low_precision_against_float64(dtype, heads, channels, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_edge_logits", [True, False])
+def test_half_features_with_float32_logits(dtype, with_edge_logits, device):
+    """Half features with float32 logits (what GATConv passes under autocast): out in the
+    features' dtype, alpha (float32-accurate: the softmax keeps its inputs) and the logits'
+    gradients in float32; the differentiable backward and forward mode agree."""
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=11)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    x, a_src, a_dst, el = make_inputs(ns, nd, ei.size(1), 4, 16, torch.float64, device, seed=12,
+                                      edge_logits=with_edge_logits)
+    # logits of the size a trained layer's reach, where half rounding moves the softmax
+    a_src, a_dst = (t.detach().mul(4).requires_grad_() for t in (a_src, a_dst))
+    go = torch.randn(nd, 4, 16, dtype=torch.float64, device=device).to(dtype)
+    ga = torch.randn(ei.size(1), 4, dtype=torch.float64, device=device)
+    x_h = x.detach().to(dtype).requires_grad_()
+    logits = [None if t is None else t.detach().float().requires_grad_() for t in (a_src, a_dst, el)]
+    out, alpha = tg.gat_attention(x_h, logits[0], logits[1], graph, 0.2, logits[2], return_attention=True)
+    assert out.dtype == dtype and alpha.dtype == torch.float32
+    wrt = [t for t in (x_h, *logits) if t is not None]
+    ours = torch.autograd.grad((out, alpha), wrt, (go, ga.float()), retain_graph=True)
+    assert ours[0].dtype == dtype and all(g.dtype == torch.float32 for g in ours[1:])
+    # the reference at the values the op saw (features rounded to half, logits float32)
+    x64, as64, ad64, el64 = (None if t is None else t.detach().double().requires_grad_()
+                             for t in (x_h, *logits))
+    ref, ref_alpha = gat_reference(x64, as64, ad64, ei, nd, 0.2, el64)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(out.double(), ref, atol=atol, rtol=rtol)
+    torch.testing.assert_close(alpha.double(), ref_alpha, atol=1e-5, rtol=1e-4)  # float32 softmax
+    theirs = grads_of((ref, ref_alpha), (x64, as64, ad64, el64), (go.double(), ga))
+    assert len(ours) == len(theirs)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.double(), b, atol=atol * 4, rtol=rtol * 4)
+    # the differentiable backward (create_graph) and forward mode agree with the fused kernels
+    again = torch.autograd.grad((out, alpha), wrt, (go, ga.float()), create_graph=True)
+    for a, b in zip(again, ours):
+        assert a.dtype == b.dtype
+        torch.testing.assert_close(a.double(), b.double(), atol=atol, rtol=rtol)
+    # through alpha alone the logits' gradients are float32-accurate (through out they carry the
+    # half rounding of out, which the backward's D = <grad_out, out> reads)
+    via_alpha = torch.autograd.grad(alpha, logits[:2], ga.float(), retain_graph=True)
+    ref_via_alpha = torch.autograd.grad(gat_reference(x64, as64, ad64, ei, nd, 0.2, el64)[1], (as64, ad64), ga)
+    for a, b in zip(via_alpha, ref_via_alpha):
+        torch.testing.assert_close(a.double(), b, atol=1e-5, rtol=1e-4)
+    tangents = [torch.randn_like(t) for t in (x_h, *logits) if t is not None]
+    primals = [t.detach() for t in (x_h, *logits) if t is not None]
+    fn = lambda *a: tg.gat_attention(a[0], a[1], a[2], graph, 0.2, a[3] if len(a) > 3 else None,
+                                     return_attention=True)
+    (o, al), (t_o, t_al) = jvp(fn, tuple(primals), tuple(tangents))
+    assert t_o.dtype == dtype and t_al.dtype == torch.float32
+    (_, _), (r_o, r_al) = jvp(lambda *a: gat_reference(a[0], a[1], a[2], ei, nd, 0.2, a[3] if len(a) > 3 else None),
+                              tuple(t.double() for t in primals), tuple(t.double() for t in tangents))
+    torch.testing.assert_close(t_o.double(), r_o, atol=atol * 4, rtol=rtol * 4)
+    torch.testing.assert_close(t_al.double(), r_al, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["random", "zero_in_degree", "duplicates_selfloops", "no_edges"])
 def test_gradcheck_and_gradgradcheck(kind, device):
     ei, ns, nd = make_graph(kind, torch.int64, device, seed=3)
@@ -599,6 +655,11 @@ def test_bad_op_inputs_raise_clear_errors():
         (dict(x_src=x[:-1], a_src=a_src[:-1]), ValueError, "graph.num_src"),
         (dict(edge_logits=el[:-1]), ValueError, "edge_logits must have shape"),
         (dict(edge_logits=el.double()), TypeError, "edge_logits"),
+        # half features take float32 logits, all of one dtype
+        (dict(x_src=x.half(), a_src=a_src.double(), a_dst=a_dst.double(), edge_logits=None), TypeError,
+         r"a_src .* must have the dtype of x_src \(torch.float16\) or float32"),
+        (dict(x_src=x.half(), a_dst=a_dst.half()), TypeError, r"a_dst .* must have the dtype of a_src"),
+        (dict(x_src=x.half(), edge_logits=el.half()), TypeError, r"edge_logits .* must have the dtype of a_src"),
         (dict(dropout=-0.1), ValueError, "dropout must be in"),
         (dict(dropout=1.0), ValueError, "dropout must be in"),
         (dict(graph=ei), TypeError, "graph must be a torch_gradops.BipartiteCSC"),
@@ -639,6 +700,11 @@ def test_bad_op_inputs_raise_clear_errors():
     late[0] = 1
     with pytest.raises(RuntimeError, match="rev_indptr must start at 0 and end at E"):
         ops.gat_backward(*args, late, rev_edge, rev_dst, None, 0.2, 1.0, [True, True, True, False])
+    with pytest.raises(RuntimeError, match=r"a_dst \(Half\) must have the dtype of a_src \(Float\)"):
+        ops.gat_forward(x.half(), a_src, a_dst.half(), None, graph.indptr, graph.indices, None, 0.2, 1.0, False)
+    with pytest.raises(RuntimeError, match=r"a_src must have the dtype of x_src \(Half\) or float32, got Double"):
+        ops.gat_forward(x.half(), a_src.double(), a_dst.double(), None, graph.indptr, graph.indices, None, 0.2, 1.0,
+                        False)
     with pytest.raises(RuntimeError, match="out must have the dtype of x_src"):
         ops.gat_backward(*args[:2], out.double(), *args[3:], rev_indptr, rev_edge, rev_dst, None, 0.2, 1.0,
                          [True, True, True, False])
@@ -683,6 +749,18 @@ def test_opcheck():
         torch.library.opcheck(ops.gat_backward.default,
                               (go, None, out, lse, x, a_src, a_dst, el, graph.indptr, graph.indices,
                                rev.indptr, rev.edge, rev.dst, mask, 0.2, 1.5, mask_out))
+    # half features with float32 logits: alpha and the logits' gradients are float32
+    xh = x.to(torch.bfloat16)
+    torch.library.opcheck(ops.gat_forward.default, (xh, a_src, a_dst, el, graph.indptr, graph.indices, mask, 0.2,
+                                                    1.5, True))
+    out_h, lse_h, alpha_h = ops.gat_forward(xh, a_src, a_dst, el, graph.indptr, graph.indices, mask, 0.2, 1.5, True)
+    assert out_h.dtype == torch.bfloat16 and alpha_h.dtype == torch.float32
+    for mask_out in ([True] * 4, [True, False, True, False], [False, True, False, True]):
+        for edge_logits in (el, None):  # (without edge logits, their gradient is skipped whatever the mask)
+            torch.library.opcheck(ops.gat_backward.default,
+                                  (out_h.clone(), torch.randn_like(alpha_h), out_h, lse_h, xh, a_src, a_dst,
+                                   edge_logits, graph.indptr, graph.indices, rev.indptr, rev.edge, rev.dst, mask, 0.2,
+                                   1.5, mask_out))
     # non-contiguous inputs (transposed views): the kernels return contiguous gradients, and so
     # must the fake kernel (Inductor checks the strides)
     x_t, a_src_t = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (x, a_src))

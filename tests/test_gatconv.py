@@ -15,6 +15,7 @@ from torch_geometric.nn.models import GAT as PyGGAT  # noqa: E402
 from torch_geometric.typing import WITH_TORCH_SPARSE  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
+import torch_gradops as tg  # noqa: E402
 import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
@@ -320,6 +321,67 @@ def test_autocast_cpu_bf16():
     close(a2.float(), a1.float(), atol=2e-2, rtol=5e-2)
     o2.float().sum().backward()
     assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters())
+    # half edge features (an earlier autocast layer's output) meet the layer's float32 logits
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        o1 = theirs(x, ei, ea.to(torch.bfloat16))
+        o2 = ours(x, ei, ea.to(torch.bfloat16))
+    assert o1.dtype == o2.dtype
+    close(o2.float(), o1.float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.mark.parametrize("kw", [dict(in_channels=32, heads=4), dict(in_channels=32, heads=4, edge_dim=4),
+                                dict(in_channels=(24, 20), heads=2), dict(in_channels=96, heads=4)],
+                         ids=["folded", "edge_dim", "bipartite", "wide_input"])
+def test_autocast_bf16_accuracy_against_float64(kw, monkeypatch):
+    """Under bf16 autocast our attention logits stay float32 as PyG's do (float32 ``att`` times
+    bf16 features), computed from the float32 input: the output at most PyG's distance from the
+    float64 layer, every gradient well within it (2-7x closer here). With the logits rounded to
+    bf16 (before), the attention gradients were up to 3x PyG's error (the bipartite layer)."""
+    kw = dict(kw)
+    in_channels = kw.pop("in_channels")
+    theirs, ours = pair(in_channels, 16, **kw)  # 16 channels: wide_input (96 > 8 x 16) does not fold
+    ns, nt = 300, 300 if not isinstance(in_channels, tuple) else 200
+    g = torch.Generator().manual_seed(3)
+    f_s, f_t = in_channels if isinstance(in_channels, tuple) else (in_channels, in_channels)
+    x_s, x_t = torch.randn(ns, f_s, generator=g), torch.randn(nt, f_t, generator=g)
+    ei = torch.stack([torch.randint(0, ns, (3000,), generator=g), torch.randint(0, nt, (3000,), generator=g)])
+    ea = torch.randn(3000, kw["edge_dim"], generator=g) if "edge_dim" in kw else None
+
+    def run(module, dtype, autocast):
+        module = copy.deepcopy(module).to(dtype)
+        xs = x_s.to(dtype).detach().clone().requires_grad_()  # (to() of float32 is x_s itself)
+        xt = x_t.to(dtype).detach().clone().requires_grad_()
+        x = (xs, xt) if isinstance(in_channels, tuple) else xs
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = module(x, ei, None if ea is None else ea.to(dtype))
+        out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(4)).to(out.dtype))
+        grads = {n: p.grad.double() for n, p in module.named_parameters()}
+        grads["x"] = xs.grad.double()
+        return out, grads
+
+    def err(a, b):
+        return ((a - b).norm() / b.norm()).item()
+
+    from torch_gradops.nn import gat_conv
+    seen = []  # the dtypes the layer hands the op: bf16 features, float32 logits
+
+    def recording(x_src, a_src, a_dst, graph, negative_slope, edge_logits=None, **kw):
+        seen.append((x_src.dtype, a_src.dtype, a_dst.dtype, None if edge_logits is None else edge_logits.dtype))
+        return tg.gat_attention(x_src, a_src, a_dst, graph, negative_slope, edge_logits, **kw)
+
+    monkeypatch.setattr(gat_conv, "gat_attention", recording)
+    ref_out, ref = run(theirs, torch.float64, False)
+    pyg_out, pyg = run(theirs, torch.float32, True)
+    our_out, our = run(ours, torch.float32, True)
+    assert seen == [(torch.bfloat16, torch.float32, torch.float32, torch.float32 if ea is not None else None)]
+    assert our_out.dtype == pyg_out.dtype == torch.float32
+    ref_out, pyg_out, our_out = ref_out.double(), pyg_out.double(), our_out.double()
+    assert err(our_out, ref_out) <= 1.1 * err(pyg_out, ref_out)
+    for name in ref:
+        if name == "bias":  # exact for both
+            continue
+        ours_e, pyg_e = err(our[name], ref[name]), err(pyg[name], ref[name])
+        assert ours_e <= 0.75 * pyg_e, (name, ours_e, pyg_e)
 
 
 # ------------------------------------------------------------------------------ module API

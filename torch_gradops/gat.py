@@ -47,7 +47,7 @@ def _gat_forward_fake(x_src, a_src, a_dst, edge_logits, indptr, indices, dropout
     num_dst, heads, channels = a_dst.size(0), x_src.size(1), x_src.size(2)
     out = x_src.new_empty((num_dst, heads, channels))
     lse = x_src.new_empty((num_dst, heads), dtype=_acc_dtype(x_src.dtype))
-    alpha = x_src.new_empty((indices.size(0) if return_alpha else 0, heads))
+    alpha = a_src.new_empty((indices.size(0) if return_alpha else 0, heads))
     return out, lse, alpha
 
 
@@ -59,8 +59,8 @@ def _gat_backward_fake(grad_out, grad_alpha, out, lse, x_src, a_src, a_dst, edge
         # contiguous whatever the input's strides, as the kernels return them
         return like.new_empty(like.shape) if flag else like.new_empty((0,))
     # as the kernels: no edge_logits, no gradient for them (an empty tensor) whatever the mask
-    grad_el = (x_src.new_empty((indices.size(0), x_src.size(1))) if output_mask[3] and edge_logits is not None
-               else x_src.new_empty((0,)))
+    grad_el = (a_src.new_empty((indices.size(0), x_src.size(1))) if output_mask[3] and edge_logits is not None
+               else a_src.new_empty((0,)))
     return (maybe(output_mask[0], x_src), maybe(output_mask[1], a_src),
             maybe(output_mask[2], a_dst), grad_el)
 
@@ -409,9 +409,8 @@ def _gat_backward_differentiable(grad_out, grad_alpha, x_src, a_src, a_dst, el, 
                                  mask, negative_slope, dropout_scale, needs):
     """GAT's first-order backward written with the fused primitives and ``E x H`` ops, so that
     it is itself differentiable (``create_graph=True``) at ``O(E x H)`` extra memory. Half types
-    compute in float32."""
-    dtype = x_src.dtype
-    acc = _acc_dtype(dtype)
+    compute in float32; each gradient comes back in its input's dtype."""
+    acc = _acc_dtype(x_src.dtype)
     x, a_s, a_d, e_l, g = (None if t is None else t.to(acc) for t in (x_src, a_src, a_dst, el, grad_out))
     z, p = _attention_probs(a_s, a_d, e_l, lse, edges, negative_slope)
     keep = None if mask is None else mask.to(acc) * dropout_scale
@@ -430,15 +429,15 @@ def _gat_backward_differentiable(grad_out, grad_alpha, x_src, a_src, a_dst, el, 
             grads[2] = _sum_to_nodes(d_z, edges, "dst")
         if needs[3]:
             grads[3] = d_z
-    return [None if t is None else t.to(dtype) for t in grads]
+    return [None if t is None else t.to(like.dtype) for t, like in zip(grads, (x_src, a_src, a_dst, a_src))]
 
 
 def _gat_jvp(t_x, t_asrc, t_adst, t_el, x_src, a_src, a_dst, el, lse, edges: _Edges, mask,
              negative_slope, dropout_scale, want_alpha):
     """Tangents of ``out`` and of ``alpha`` (CSC order; None unless ``want_alpha``):
-    ``t_out = SpMM(t_alpha, x) + SpMM(alpha, t_x)``, ``t_alpha`` from ``E x H`` ops."""
-    dtype = x_src.dtype
-    acc = _acc_dtype(dtype)
+    ``t_out = SpMM(t_alpha, x) + SpMM(alpha, t_x)``, ``t_alpha`` from ``E x H`` ops; ``t_out`` in
+    the features' dtype, ``t_alpha`` in the logits'."""
+    acc = _acc_dtype(x_src.dtype)
     x, a_s, a_d, e_l = (None if t is None else t.to(acc) for t in (x_src, a_src, a_dst, el))
     z, p = _attention_probs(a_s, a_d, e_l, lse, edges, negative_slope)
     keep = None if mask is None else mask.to(acc) * dropout_scale
@@ -462,14 +461,15 @@ def _gat_jvp(t_x, t_asrc, t_adst, t_el, x_src, a_src, a_dst, el, lse, edges: _Ed
         t_out = x.new_zeros((edges.num_dst,) + tuple(x.shape[1:]))
     if want_alpha and t_alpha is None:
         t_alpha = torch.zeros_like(p)
-    return t_out.to(dtype), (t_alpha.to(dtype) if want_alpha else None)
+    return t_out.to(x_src.dtype), (t_alpha.to(a_src.dtype) if want_alpha else None)
 
 
-def _attend_composite(scores, x_src, graph: BipartiteCSC, src, dst, mask, dropout_scale: float, dtype):
+def _attend_composite(scores, x_src, graph: BipartiteCSC, src, dst, mask, dropout_scale: float, dtype,
+                      alpha_dtype=None):
     """The attention half shared by the GAT and GATv2 composites: softmax of ``scores [E, H]``
     (CSC order) over each destination's edges, dropout, ``out[i] = sum_e alpha[e] x_src[j]``;
-    ``(out, alpha)`` cast to ``dtype``. The shift by each segment's maximum is a constant (the
-    result is renormalised)."""
+    ``(out, alpha)`` cast to ``dtype`` (alpha to ``alpha_dtype`` when given). The shift by each
+    segment's maximum is a constant (the result is renormalised)."""
     heads = scores.size(-1)
     index = dst.unsqueeze(-1).expand_as(scores)
     shift = scores.detach().new_full((graph.num_dst, heads), float("-inf"))
@@ -480,7 +480,7 @@ def _attend_composite(scores, x_src, graph: BipartiteCSC, src, dst, mask, dropou
         alpha = alpha * (mask.to(alpha.dtype) * dropout_scale)
     out = x_src.new_zeros((graph.num_dst,) + tuple(x_src.shape[1:]))
     out = out.index_add(0, dst, alpha.unsqueeze(-1) * x_src.index_select(0, src))
-    return out.to(dtype), alpha.to(dtype)
+    return out.to(dtype), alpha.to(dtype if alpha_dtype is None else alpha_dtype)
 
 
 def _composite_edges(graph: BipartiteCSC):
@@ -498,7 +498,7 @@ def _gat_composite(x_src, a_src, a_dst, el, graph: BipartiteCSC, mask, negative_
     if el is not None:
         z = z + el.to(acc)
     return _attend_composite(F.leaky_relu(z, negative_slope), x_src.to(acc), graph, src, dst, mask,
-                             dropout_scale, x_src.dtype)
+                             dropout_scale, x_src.dtype, a_src.dtype)
 
 
 # ---------------------------------------------------------------------------- autograd
@@ -689,6 +689,17 @@ def _dropout_mask(num_edges: int, heads: int, dropout: float, device: torch.devi
     return keep, 1.0 / (1.0 - dropout)
 
 
+def _check_logit_dtype(name: str, t: torch.Tensor, x_src: torch.Tensor, a_src: torch.Tensor) -> None:
+    """Logits have the features' dtype, or float32 for half features (what PyG's layers compute
+    under autocast, float32 attention parameters times half features), all the same one."""
+    allowed = (x_src.dtype, _acc_dtype(x_src.dtype))
+    if t.dtype not in allowed:
+        also = " or float32" if allowed[1] != allowed[0] else ""
+        raise TypeError(f"{name} ({t.dtype}) must have the dtype of x_src ({x_src.dtype}){also}")
+    if t.dtype != a_src.dtype:
+        raise TypeError(f"{name} ({t.dtype}) must have the dtype of a_src ({a_src.dtype})")
+
+
 def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
     if not isinstance(graph, BipartiteCSC):
         raise TypeError(f"graph must be a torch_gradops.BipartiteCSC, got {type(graph).__name__}")
@@ -710,8 +721,7 @@ def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
     if a_dst.size(0) != graph.num_dst:
         raise ValueError(f"a_dst has {a_dst.size(0)} rows but graph.num_dst is {graph.num_dst}")
     for name, t in (("a_src", a_src), ("a_dst", a_dst)):
-        if t.dtype != x_src.dtype:
-            raise TypeError(f"{name} ({t.dtype}) must have the dtype of x_src ({x_src.dtype})")
+        _check_logit_dtype(name, t, x_src, a_src)
         if t.device != x_src.device:
             raise ValueError(f"{name} ({t.device}) must be on the device of x_src ({x_src.device})")
     if graph.device != x_src.device:
@@ -722,8 +732,7 @@ def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
         if edge_logits.shape != (graph.num_input_edges, heads):
             raise ValueError(f"edge_logits must have shape [E, heads] = {(graph.num_input_edges, heads)}, "
                              f"got {tuple(edge_logits.shape)}")
-        if edge_logits.dtype != x_src.dtype:
-            raise TypeError(f"edge_logits ({edge_logits.dtype}) must have the dtype of x_src ({x_src.dtype})")
+        _check_logit_dtype("edge_logits", edge_logits, x_src, a_src)
         if edge_logits.device != x_src.device:
             raise ValueError(f"edge_logits ({edge_logits.device}) must be on the device of x_src ({x_src.device})")
     if not (0.0 <= float(dropout) < 1.0):
@@ -744,7 +753,11 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
 
     Args:
         x_src: ``[num_src, H, C]`` projected source features.
-        a_src: ``[num_src, H]`` source attention logits.
+        a_src: ``[num_src, H]`` source attention logits. The logits (``a_src``, ``a_dst``,
+            ``edge_logits``) share one dtype: ``x_src``'s, or float32 when ``x_src`` is
+            float16/bfloat16 (the mixed precision of PyG's layers under autocast: the softmax
+            inputs keep float32 precision while the features travel in half). ``alpha`` and
+            the logits' gradients come back in that dtype.
         a_dst: ``[num_dst, H]`` destination attention logits.
         graph: the edges, as a :class:`BipartiteCSC` on the features' device.
         negative_slope: LeakyReLU slope.

@@ -37,7 +37,9 @@ using cpu::kPrefetchDistance;
 using cpu::parallel_over_rows;
 using cpu::prefetch_row;
 
-template <typename scalar_t, typename index_t>
+// logit_t: the element type of a_src, a_dst, edge_logits and alpha (scalar_t, or float32 for
+// half features: with_logit_type).
+template <typename scalar_t, typename logit_t, typename index_t>
 void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::Tensor& a_dst,
                     const at::Tensor* edge_logits, const at::Tensor& indptr, const at::Tensor& indices,
                     const at::Tensor* mask, double negative_slope, double dropout_scale,
@@ -46,15 +48,15 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
   const int64_t num_src = x_src.size(0), H = x_src.size(1), C = x_src.size(2), HC = H * C;
   const int64_t num_dst = a_dst.size(0), E = indices.numel();
   const scalar_t* x = x_src.data_ptr<scalar_t>();
-  const scalar_t* as = a_src.data_ptr<scalar_t>();
-  const scalar_t* ad = a_dst.data_ptr<scalar_t>();
-  const scalar_t* el = edge_logits ? edge_logits->data_ptr<scalar_t>() : nullptr;
+  const logit_t* as = a_src.data_ptr<logit_t>();
+  const logit_t* ad = a_dst.data_ptr<logit_t>();
+  const logit_t* el = edge_logits ? edge_logits->data_ptr<logit_t>() : nullptr;
   const bool* mk = mask ? mask->data_ptr<bool>() : nullptr;
   const index_t* ptr = indptr.data_ptr<index_t>();
   const index_t* idx = indices.data_ptr<index_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
   acc_t* lse_p = lse.data_ptr<acc_t>();
-  scalar_t* al = alpha ? alpha->data_ptr<scalar_t>() : nullptr;
+  logit_t* al = alpha ? alpha->data_ptr<logit_t>() : nullptr;
   const acc_t slope = static_cast<acc_t>(negative_slope);
   const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
   const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
@@ -88,7 +90,7 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
         // exp(old_max - new_max) and the edge's weight exp(s - new_max). Selects, not branches,
         // so that the head loops vectorise (a random-sign leaky_relu branch mispredicts half
         // the time).
-        const scalar_t* asj = as + j * H;
+        const logit_t* asj = as + j * H;
         if (el) {
           for (int64_t h = 0; h < H; ++h) score[h] = static_cast<acc_t>(asj[h]) + adst[h] + static_cast<acc_t>(el[e * H + h]);
         } else {
@@ -135,7 +137,7 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
             if (el) z += static_cast<acc_t>(el[e * H + h]);
             acc_t a = std::exp(leaky_relu(z, slope) - lse_p[i * H + h]);
             if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
-            al[e * H + h] = static_cast<scalar_t>(a);
+            al[e * H + h] = static_cast<logit_t>(a);
           }
         }
       }
@@ -154,15 +156,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cpu(
   std::tie(out, lse, alpha) = allocate_gat_outputs(a, return_alpha);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gat_forward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gat_forward_cpu_index", [&] {
-      forward_kernel<scalar_t, index_t>(a.x_src, a.a_src, a.a_dst, a.edge_logits.defined() ? &a.edge_logits : nullptr,
-                                        a.indptr, a.indices, a.dropout_mask.defined() ? &a.dropout_mask : nullptr,
-                                        negative_slope, dropout_scale, out, lse, return_alpha ? &alpha : nullptr);
+      with_logit_type<scalar_t>(a.a_src.scalar_type(), [&](auto tag) {
+        using logit_t = typename decltype(tag)::type;
+        forward_kernel<scalar_t, logit_t, index_t>(
+            a.x_src, a.a_src, a.a_dst, a.edge_logits.defined() ? &a.edge_logits : nullptr, a.indptr, a.indices,
+            a.dropout_mask.defined() ? &a.dropout_mask : nullptr, negative_slope, dropout_scale, out, lse,
+            return_alpha ? &alpha : nullptr);
+      });
     });
   });
   return {out, lse, alpha};
 }
 
-template <typename scalar_t, typename index_t>
+template <typename scalar_t, typename logit_t, typename index_t>
 void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, const at::Tensor& out,
                      const at::Tensor& lse, const at::Tensor& x_src, const at::Tensor& a_src,
                      const at::Tensor& a_dst, const at::Tensor* edge_logits, const at::Tensor& indptr,
@@ -175,13 +181,13 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   const int64_t num_dst = a_dst.size(0), E = indices.numel();
   const bool need_dz = gas || gad || gel;
   const scalar_t* g = grad_out.data_ptr<scalar_t>();
-  const scalar_t* ga = grad_alpha ? grad_alpha->data_ptr<scalar_t>() : nullptr;
+  const logit_t* ga = grad_alpha ? grad_alpha->data_ptr<logit_t>() : nullptr;
   const scalar_t* o = out.data_ptr<scalar_t>();
   const acc_t* lse_p = lse.data_ptr<acc_t>();
   const scalar_t* x = x_src.data_ptr<scalar_t>();
-  const scalar_t* as = a_src.data_ptr<scalar_t>();
-  const scalar_t* ad = a_dst.data_ptr<scalar_t>();
-  const scalar_t* el = edge_logits ? edge_logits->data_ptr<scalar_t>() : nullptr;
+  const logit_t* as = a_src.data_ptr<logit_t>();
+  const logit_t* ad = a_dst.data_ptr<logit_t>();
+  const logit_t* el = edge_logits ? edge_logits->data_ptr<logit_t>() : nullptr;
   const bool* mk = mask ? mask->data_ptr<bool>() : nullptr;
   const index_t* ptr = indptr.data_ptr<index_t>();
   const index_t* idx = indices.data_ptr<index_t>();
@@ -238,7 +244,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   const index_t* redge = rev_edge.data_ptr<index_t>();
   const index_t* rdst = rev_dst.data_ptr<index_t>();
   scalar_t* gxp = gx ? gx->data_ptr<scalar_t>() : nullptr;
-  scalar_t* gasp = gas ? gas->data_ptr<scalar_t>() : nullptr;
+  logit_t* gasp = gas ? gas->data_ptr<logit_t>() : nullptr;
   parallel_over_rows(rptr, num_src, HC, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> accx(gx ? HC : 0), accs(H), heads(5 * H);
     acc_t* slope_grad = heads.data();
@@ -276,7 +282,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
         // Head loops split so that the elementwise ones vectorise (selects, no data-dependent
         // branches): alpha = exp(s - lse) and leaky_relu' for all heads; then the per-head row
         // work (dA = <g_i, x_j> and grad x_src); then dz for all heads.
-        const scalar_t* asj = as + j * H;
+        const logit_t* asj = as + j * H;
         for (int64_t h = 0; h < H; ++h) zs[h] = static_cast<acc_t>(asj[h]) + r[h];
         if (el) {
           for (int64_t h = 0; h < H; ++h) zs[h] += static_cast<acc_t>(el[e * H + h]);
@@ -314,7 +320,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
         for (int64_t f = 0; f < HC; ++f) gxp[j * HC + f] = static_cast<scalar_t>(accx[f]);
       }
       if (gasp) {
-        for (int64_t h = 0; h < H; ++h) gasp[j * H + h] = static_cast<scalar_t>(accs[h]);
+        for (int64_t h = 0; h < H; ++h) gasp[j * H + h] = static_cast<logit_t>(accs[h]);
       }
     }
   });
@@ -322,7 +328,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   // Pass C, per destination: grad a_dst sums dz over the incoming edges in CSC order (a
   // sequential read); grad edge_logits is dz itself.
   if (gad) {
-    scalar_t* gadp = gad->data_ptr<scalar_t>();
+    logit_t* gadp = gad->data_ptr<logit_t>();
     parallel_over_rows(ptr, num_dst, H, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> sum(H);
       for (int64_t i = begin; i < end; ++i) {
@@ -330,7 +336,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
         for (int64_t e = ptr[i]; e < ptr[i + 1]; ++e) {
           for (int64_t h = 0; h < H; ++h) sum[h] += dz_ws[e * H + h];
         }
-        for (int64_t h = 0; h < H; ++h) gadp[i * H + h] = static_cast<scalar_t>(sum[h]);
+        for (int64_t h = 0; h < H; ++h) gadp[i * H + h] = static_cast<logit_t>(sum[h]);
       }
     });
   }
@@ -352,12 +358,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cpu(
   const auto& f = a.fwd;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, f.x_src.scalar_type(), "gat_backward_cpu", [&] {
     AT_DISPATCH_INDEX_TYPES(f.indices.scalar_type(), "gat_backward_cpu_index", [&] {
-      backward_kernel<scalar_t, index_t>(
-          a.grad_out, a.grad_alpha.defined() ? &a.grad_alpha : nullptr, a.out, a.lse, f.x_src, f.a_src, f.a_dst,
-          f.edge_logits.defined() ? &f.edge_logits : nullptr, f.indptr, f.indices, a.rev_indptr, a.rev_edge,
-          a.rev_dst, f.dropout_mask.defined() ? &f.dropout_mask : nullptr, negative_slope, dropout_scale,
-          a.want_x ? &gx : nullptr, a.want_a_src ? &gas : nullptr, a.want_a_dst ? &gad : nullptr,
-          a.want_edge_logits ? &gel : nullptr);
+      with_logit_type<scalar_t>(f.a_src.scalar_type(), [&](auto tag) {
+        using logit_t = typename decltype(tag)::type;
+        backward_kernel<scalar_t, logit_t, index_t>(
+            a.grad_out, a.grad_alpha.defined() ? &a.grad_alpha : nullptr, a.out, a.lse, f.x_src, f.a_src, f.a_dst,
+            f.edge_logits.defined() ? &f.edge_logits : nullptr, f.indptr, f.indices, a.rev_indptr, a.rev_edge,
+            a.rev_dst, f.dropout_mask.defined() ? &f.dropout_mask : nullptr, negative_slope, dropout_scale,
+            a.want_x ? &gx : nullptr, a.want_a_src ? &gas : nullptr, a.want_a_dst ? &gad : nullptr,
+            a.want_edge_logits ? &gel : nullptr);
+      });
     });
   });
   return {gx, gas, gad, gel};

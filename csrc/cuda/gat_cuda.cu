@@ -45,8 +45,8 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ acc_t score_logit(const scalar_t* __restrict__ as, const scalar_t* __restrict__ el,
+template <typename logit_t, typename acc_t>
+__device__ __forceinline__ acc_t score_logit(const logit_t* __restrict__ as, const logit_t* __restrict__ el,
                                              int64_t j, int64_t e, int64_t h, int64_t H, acc_t adst) {
   acc_t z = static_cast<acc_t>(as[j * H + h]) + adst;
   if (el) z += static_cast<acc_t>(el[e * H + h]);
@@ -72,13 +72,14 @@ __device__ __forceinline__ void check_edge_range(int64_t e0, int64_t e1, int64_t
 // kEdgeBatch: edges whose source ids, scores and rows a thread loads before it folds any of them
 // into the online softmax, so that kEdgeBatch row gathers are in flight per thread instead of one
 // after another (the sequential walk was latency-bound). The folding order, and so every result
-// bit, is the same for every kEdgeBatch.
-template <typename scalar_t, typename index_t, int kEdgeBatch>
-__global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_t* __restrict__ as,
-                                   const scalar_t* __restrict__ ad, const scalar_t* __restrict__ el,
+// bit, is the same for every kEdgeBatch. logit_t: the element type of the logits and alpha
+// (scalar_t, or float32 for half features: with_logit_type).
+template <typename scalar_t, typename logit_t, typename index_t, int kEdgeBatch>
+__global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const logit_t* __restrict__ as,
+                                   const logit_t* __restrict__ ad, const logit_t* __restrict__ el,
                                    const bool* __restrict__ mk, const index_t* __restrict__ ptr,
                                    const index_t* __restrict__ idx, scalar_t* __restrict__ out,
-                                   at::opmath_type<scalar_t>* __restrict__ lse, scalar_t* __restrict__ alpha,
+                                   at::opmath_type<scalar_t>* __restrict__ lse, logit_t* __restrict__ alpha,
                                    int64_t num_src, int64_t num_dst, int64_t E, int64_t H, int64_t C,
                                    at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -135,21 +136,21 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const scalar_
           const int64_t j = idx[e];
           acc_t a = fast_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
           if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
-          alpha[e * H + h] = static_cast<scalar_t>(a);
+          alpha[e * H + h] = static_cast<logit_t>(a);
         }
       }
     }
   }
 }
 
-template <typename scalar_t, typename index_t>
+template <typename scalar_t, typename logit_t, typename index_t>
 __global__ void gat_backward_dst_kernel(
-    const scalar_t* __restrict__ g, const scalar_t* __restrict__ ga, const scalar_t* __restrict__ o,
+    const scalar_t* __restrict__ g, const logit_t* __restrict__ ga, const scalar_t* __restrict__ o,
     const at::opmath_type<scalar_t>* __restrict__ lse, const scalar_t* __restrict__ x,
-    const scalar_t* __restrict__ as, const scalar_t* __restrict__ ad, const scalar_t* __restrict__ el,
+    const logit_t* __restrict__ as, const logit_t* __restrict__ ad, const logit_t* __restrict__ el,
     const bool* __restrict__ mk, const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
     at::opmath_type<scalar_t>* __restrict__ dz_ws, at::opmath_type<scalar_t>* __restrict__ w_ws,
-    scalar_t* __restrict__ gad, scalar_t* __restrict__ gel, int64_t num_src, int64_t num_dst, int64_t E,
+    logit_t* __restrict__ gad, logit_t* __restrict__ gel, int64_t num_src, int64_t num_dst, int64_t E,
     int64_t H, int64_t C, bool need_dz, at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t HC = H * C;
@@ -197,22 +198,22 @@ __global__ void gat_backward_dst_kernel(
         gad_acc += dz;
         if (lane == 0) {
           if (dz_ws) dz_ws[e * H + h] = dz;
-          if (gel) gel[e * H + h] = static_cast<scalar_t>(dz);
+          if (gel) gel[e * H + h] = static_cast<logit_t>(dz);
         }
       }
       if (w_ws && lane == 0) w_ws[e * H + h] = alpha * keep;
     }
-    if (gad && lane == 0) gad[i * H + h] = static_cast<scalar_t>(gad_acc);
+    if (gad && lane == 0) gad[i * H + h] = static_cast<logit_t>(gad_acc);
   }
 }
 
-template <typename scalar_t, typename index_t>
+template <typename scalar_t, typename logit_t, typename index_t>
 __global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
                                         const at::opmath_type<scalar_t>* __restrict__ dz_ws,
                                         const at::opmath_type<scalar_t>* __restrict__ w_ws,
                                         const index_t* __restrict__ rptr, const index_t* __restrict__ redge,
                                         const index_t* __restrict__ rdst, scalar_t* __restrict__ gx,
-                                        scalar_t* __restrict__ gas, int64_t num_src, int64_t num_dst, int64_t E,
+                                        logit_t* __restrict__ gas, int64_t num_src, int64_t num_dst, int64_t E,
                                         int64_t H, int64_t C) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t HC = H * C;
@@ -233,7 +234,7 @@ __global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
       if (gas && head_leader) accs += dz_ws[e * H + h];
     }
     if (gx) gx[j * HC + f] = static_cast<scalar_t>(accx);
-    if (gas && head_leader) gas[j * H + h] = static_cast<scalar_t>(accs);
+    if (gas && head_leader) gas[j * H + h] = static_cast<logit_t>(accs);
   }
 }
 
@@ -266,15 +267,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gat_forward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gat_forward_cuda_index", [&] {
-      auto kernel = cuda_forward_one_edge_at_a_time() ? gat_forward_kernel<scalar_t, index_t, 1>
-                                                            : gat_forward_kernel<scalar_t, index_t, 4>;
-      kernel<<<grid, block, 0, stream>>>(
-          a.x_src.data_ptr<scalar_t>(), a.a_src.data_ptr<scalar_t>(), a.a_dst.data_ptr<scalar_t>(),
-          ptr_or_null<scalar_t>(a.edge_logits), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
-          a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
-          return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, a.x_src.size(0), num_dst, a.indices.numel(), H, C,
-          static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      with_logit_type<scalar_t>(a.a_src.scalar_type(), [&](auto tag) {
+        using logit_t = typename decltype(tag)::type;
+        auto kernel = cuda_forward_one_edge_at_a_time() ? gat_forward_kernel<scalar_t, logit_t, index_t, 1>
+                                                        : gat_forward_kernel<scalar_t, logit_t, index_t, 4>;
+        kernel<<<grid, block, 0, stream>>>(
+            a.x_src.data_ptr<scalar_t>(), a.a_src.data_ptr<logit_t>(), a.a_dst.data_ptr<logit_t>(),
+            ptr_or_null<logit_t>(a.edge_logits), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
+            a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+            return_alpha ? alpha.data_ptr<logit_t>() : nullptr, a.x_src.size(0), num_dst, a.indices.numel(), H, C,
+            static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
     });
   });
   return {out, lse, alpha};
@@ -313,27 +317,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cuda(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, f.x_src.scalar_type(), "gat_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(f.indices.scalar_type(), "gat_backward_cuda_index", [&] {
-      const int64_t pairs = num_dst * H;
-      const int64_t warps_per_block = kThreads / kWarp;
-      const unsigned blocks1 = static_cast<unsigned>(
-          std::max<int64_t>(1, std::min<int64_t>((pairs + warps_per_block - 1) / warps_per_block, kMaxBlocks)));
-      gat_backward_dst_kernel<scalar_t, index_t><<<blocks1, kThreads, 0, stream>>>(
-          a.grad_out.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(a.grad_alpha), a.out.data_ptr<scalar_t>(),
-          a.lse.data_ptr<acc_t>(), f.x_src.data_ptr<scalar_t>(), f.a_src.data_ptr<scalar_t>(),
-          f.a_dst.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(f.edge_logits), ptr_or_null<bool>(f.dropout_mask),
-          f.indptr.data_ptr<index_t>(), f.indices.data_ptr<index_t>(), ptr_or_null<acc_t>(dz_ws),
-          ptr_or_null<acc_t>(w_ws), a.want_a_dst ? gad.data_ptr<scalar_t>() : nullptr,
-          a.want_edge_logits ? gel.data_ptr<scalar_t>() : nullptr, num_src, num_dst, E, H, C, need_dz,
-          static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      if (a.want_x || a.want_a_src) {
-        gat_backward_src_kernel<scalar_t, index_t><<<src_grid, src_block, 0, stream>>>(
-            a.grad_out.data_ptr<scalar_t>(), ptr_or_null<acc_t>(dz_ws), ptr_or_null<acc_t>(w_ws),
-            a.rev_indptr.data_ptr<index_t>(), a.rev_edge.data_ptr<index_t>(), a.rev_dst.data_ptr<index_t>(),
-            a.want_x ? gx.data_ptr<scalar_t>() : nullptr,
-            a.want_a_src ? gas.data_ptr<scalar_t>() : nullptr, num_src, num_dst, E, H, C);
+      with_logit_type<scalar_t>(f.a_src.scalar_type(), [&](auto tag) {
+        using logit_t = typename decltype(tag)::type;
+        const int64_t pairs = num_dst * H;
+        const int64_t warps_per_block = kThreads / kWarp;
+        const unsigned blocks1 = static_cast<unsigned>(
+            std::max<int64_t>(1, std::min<int64_t>((pairs + warps_per_block - 1) / warps_per_block, kMaxBlocks)));
+        gat_backward_dst_kernel<scalar_t, logit_t, index_t><<<blocks1, kThreads, 0, stream>>>(
+            a.grad_out.data_ptr<scalar_t>(), ptr_or_null<logit_t>(a.grad_alpha), a.out.data_ptr<scalar_t>(),
+            a.lse.data_ptr<acc_t>(), f.x_src.data_ptr<scalar_t>(), f.a_src.data_ptr<logit_t>(),
+            f.a_dst.data_ptr<logit_t>(), ptr_or_null<logit_t>(f.edge_logits), ptr_or_null<bool>(f.dropout_mask),
+            f.indptr.data_ptr<index_t>(), f.indices.data_ptr<index_t>(), ptr_or_null<acc_t>(dz_ws),
+            ptr_or_null<acc_t>(w_ws), a.want_a_dst ? gad.data_ptr<logit_t>() : nullptr,
+            a.want_edge_logits ? gel.data_ptr<logit_t>() : nullptr, num_src, num_dst, E, H, C, need_dz,
+            static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-      }
+        if (a.want_x || a.want_a_src) {
+          gat_backward_src_kernel<scalar_t, logit_t, index_t><<<src_grid, src_block, 0, stream>>>(
+              a.grad_out.data_ptr<scalar_t>(), ptr_or_null<acc_t>(dz_ws), ptr_or_null<acc_t>(w_ws),
+              a.rev_indptr.data_ptr<index_t>(), a.rev_edge.data_ptr<index_t>(), a.rev_dst.data_ptr<index_t>(),
+              a.want_x ? gx.data_ptr<scalar_t>() : nullptr,
+              a.want_a_src ? gas.data_ptr<logit_t>() : nullptr, num_src, num_dst, E, H, C);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        }
+      });
     });
   });
   return {gx, gas, gad, gel};

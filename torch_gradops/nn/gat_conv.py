@@ -1,6 +1,7 @@
 """A drop-in replacement for ``torch_geometric.nn.GATConv`` (PyG 2.8) on the fused GAT op."""
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Tuple, Union
 
 import torch
@@ -60,12 +61,14 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         edge_index = coalesced_adjacency(edge_index, None if self.lin_edge is None else edge_attr)
         x_in_src, x_in_dst, res = self._inputs(x)
         x_src = self._project(x_in_src, x_in_dst)
-        alpha_src, alpha_dst = self._node_logits(x_src, x_in_src, x_in_dst)
+        with self._logit_precision(x_src):
+            alpha_src, alpha_dst = self._node_logits(x_src, x_in_src, x_in_dst)
         num_dst, num_loops = propagate_sizes(edge_index, x_src.size(0),
                                              None if x_in_dst is None else x_in_dst.size(0), size,
                                              self.add_self_loops, self.edge_dim)
         graph = csc_graph(edge_index, x_src.size(0), num_dst, num_loops)
-        edge_logits = self._edge_logits(edge_attr, edge_index, num_loops)
+        with self._logit_precision(x_src):
+            edge_logits = self._edge_logits(edge_attr, edge_index, num_loops)
         out, alpha = self._attend(x_src, alpha_src, alpha_dst, edge_logits, graph, num_dst,
                                   bool(return_attention_weights))
         out = self._finish(out, res)
@@ -74,6 +77,22 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         return out
 
     # ------------------------------------------------------------------ steps
+    def _logit_dtype(self, features: torch.dtype) -> torch.dtype:
+        """The attention logits' dtype: the features', or float32 for half features with wider
+        attention parameters (autocast), where PyG's logits come out float32 (half features
+        times float32 ``att``) and so do ours: the op takes them so, with half features."""
+        if features in (torch.float16, torch.bfloat16) and self.att_src.dtype not in (torch.float16, torch.bfloat16):
+            return torch.float32
+        return features
+
+    def _logit_precision(self, x_src: Tensor):
+        """Autocast off while the logits are computed, where they are float32 for half features
+        (:meth:`_logit_dtype`): the folded projections are matmuls, which autocast would round
+        to half; a no-op context otherwise."""
+        if self._logit_dtype(x_src.dtype) == x_src.dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=x_src.device.type, enabled=False)
+
     def _inputs(self, x):
         """``(x_src, x_dst or None, residual or None)``: PyG's input forms and its residual."""
         if isinstance(x, Tensor):
@@ -118,14 +137,19 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         fold_src = x_in_src.size(-1) <= _FOLD_MAX_IN_PER_CHANNEL * self.out_channels
         if same_side and fold_src:  # one GEMM for both logits
             w = torch.cat([self._fold(lin_s, self.att_src), self._fold(lin_s, self.att_dst)], 1)
-            alpha_src, alpha_dst = (x_in_src @ w).split(H, dim=1)
+            alpha_src, alpha_dst = (x_in_src.to(w.dtype) @ w).split(H, dim=1)
             return alpha_src, alpha_dst
-        alpha_src = x_in_src @ self._fold(lin_s, self.att_src) if fold_src else (x_src * self.att_src).sum(-1)
+        if fold_src:
+            w = self._fold(lin_s, self.att_src)
+            alpha_src = x_in_src.to(w.dtype) @ w
+        else:
+            alpha_src = (x_src * self.att_src).sum(-1)
         if x_in_dst is None:
             return alpha_src, None
         if same_side:
             return alpha_src, (x_src * self.att_dst).sum(-1)
-        return alpha_src, x_in_dst @ self._fold(lin_d, self.att_dst)
+        w = self._fold(lin_d, self.att_dst)
+        return alpha_src, x_in_dst.to(w.dtype) @ w
 
     def _edge_logits(self, edge_attr: Optional[Tensor], edge_index, num_loops: Optional[int]) -> Optional[Tensor]:
         """``[E (+ loops), H] = edge_attr @ W`` with ``W [edge_dim, H]`` folded from ``lin_edge`` and
@@ -133,7 +157,8 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         if edge_attr is None or self.lin_edge is None:
             return None
         w = self._fold(self.lin_edge, self.att_edge)
-        ea = edge_attr_2d(edge_attr, edge_index, w.dtype)
+        # (half edge features, e.g. an autocast layer's output, meet float32 logits' w: cast)
+        ea = edge_attr_2d(edge_attr, edge_index, w.dtype).to(w.dtype)
         logits = ea @ w
         if num_loops is not None:
             logits = torch.cat([logits, loop_edge_attr(ea, edge_index, num_loops, self.fill_value) @ w])
@@ -141,13 +166,13 @@ class GATConv(FusedMessagePassing, PyGGATConv):
 
     def _attend(self, x_src: Tensor, alpha_src: Tensor, alpha_dst: Optional[Tensor],
                 edge_logits: Optional[Tensor], graph: BipartiteCSC, num_dst: int, want_alpha: bool):
-        """The fused op, in the projected features' dtype (autocast-aware): ``(out [N_t, H, C],
-        alpha [E', H] or None)``, with the trash row of the input's own self-loops (built under
+        """The fused op, in the projected features' dtype with logits in :meth:`_logit_dtype`:
+        ``(out [N_t, H, C], alpha [E', H] or None)``, with the trash row of the input's own self-loops (built under
         torch.compile only, see :func:`~torch_gradops.graph.csc_from_edges`) dropped."""
         H = self.heads
-        dtype = x_src.dtype
+        dtype = self._logit_dtype(x_src.dtype)  # the logits'
         trash = graph.num_dst == num_dst + 1  # (torch.compile) the extra row holding the input's self-loops
-        a_dst = alpha_dst.to(dtype) if alpha_dst is not None else x_src.new_zeros((num_dst, H))
+        a_dst = alpha_dst.to(dtype) if alpha_dst is not None else x_src.new_zeros((num_dst, H), dtype=dtype)
         if trash:
             a_dst = _append_zero_row(a_dst)
         p = float(self.dropout) if self.training else 0.0
