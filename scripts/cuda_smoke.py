@@ -3,12 +3,13 @@
     python scripts/cuda_smoke.py [--device cuda] [--small]
 
 Runs the GAT and GATv2 forward and backward kernels (all edge-feature modes, return_attention,
-dropout, int32 and int64 indices, float64/32/16/bfloat16), the SpMM/SDDMM primitives through a
-double backward (GATv2's twice: it must be bitwise repeatable too), and the tensor-network
-executor (a sliced plan, its forward and gradients), on small graphs with a hub destination,
-destinations without edges and ``num_src != num_dst``. Each result is compared with the same
-call on the CPU (whose kernels the test suite checks against plain-PyTorch references); the
-backward is also run twice and must be bitwise equal.
+dropout, int32 and int64 indices, float64/32/16/bfloat16, GAT's half features with float32
+logits), the SpMM/SDDMM primitives through a double backward (GATv2's twice: it must be
+bitwise repeatable too), and the tensor-network executor (a sliced plan, its forward and
+gradients), on small graphs with a hub destination, destinations without edges and
+``num_src != num_dst``. Each result is compared with the same call on the CPU (whose kernels
+the test suite checks against plain-PyTorch references); the backward is also run twice and
+must be bitwise equal.
 
 A short driver rather than the test suite, so that compute-sanitizer (memcheck, racecheck,
 synccheck, initcheck) can run every kernel in minutes: ``--small`` shrinks the graphs further
@@ -69,7 +70,8 @@ def grads_of(out, inputs, seed):
     return torch.autograd.grad(out, [t for t in inputs if t is not None], go, allow_unused=True)
 
 
-def run_gat(dev, sizes, index_dtype, dtype, gen):
+def run_gat(dev, sizes, index_dtype, dtype, gen, float32_logits=False):
+    """``float32_logits``: half features with float32 logits (GATConv under autocast)."""
     n_src, n_dst, E, hub, H, C = sizes
     ei = graph_edges(n_src, n_dst, E, hub, gen).to(index_dtype)
     E = ei.size(1)
@@ -79,7 +81,8 @@ def run_gat(dev, sizes, index_dtype, dtype, gen):
     results = {}
     for where in ("cpu", dev):
         g = tg.BipartiteCSC.from_edge_index(ei, n_src, n_dst).to(where)
-        t = {k: v.to(where, dtype).requires_grad_() for k, v in host.items()}
+        t = {k: v.to(where, dtype if k == "x" or not float32_logits else torch.float32).requires_grad_()
+             for k, v in host.items()}
         out, alpha = tg.gat_attention(t["x"], t["a_s"], t["a_d"], g, edge_logits=t["el"], return_attention=True)
         inputs = [t["x"], t["a_s"], t["a_d"], t["el"]]
         first = grads_of(out + 0 * alpha.sum(), inputs, 1)
@@ -93,7 +96,7 @@ def run_gat(dev, sizes, index_dtype, dtype, gen):
         tg.gat_attention(t["x"], t["a_s"], t["a_d"], g, dropout=0.5, training=True).sum().backward()
         w, a = edge_w.to(where, dtype), rows_dst.to(where, dtype)
         results[where] += (edge_aggregate(w, t["x"].detach(), g), edge_dot(a, t["x"].detach(), g))
-    tag = f"gat[{dtype}, {index_dtype}]"
+    tag = f"gat[{dtype}{', float32 logits' if float32_logits else ''}, {index_dtype}]"
     cpu, gpu = results["cpu"], results[dev]
     check(f"{tag} out", gpu[0], cpu[0], dtype)
     check(f"{tag} alpha", gpu[1], cpu[1], dtype)
@@ -192,6 +195,8 @@ def main():
                 if args.small and dtype in (torch.float16, torch.bfloat16) and index_dtype == torch.int32:
                     continue
                 run_gat(dev, sizes, index_dtype, dtype, gen)
+                if dtype in (torch.float16, torch.bfloat16):
+                    run_gat(dev, sizes, index_dtype, dtype, gen, float32_logits=True)
                 for mode in ("none", "project", "direct"):
                     run_gatv2(dev, sizes, index_dtype, dtype, mode, gen)
     run_tensornet(dev, args.small)
