@@ -13,8 +13,9 @@ search to 1/4 of it, the two taking batches of trials in turn), scored by :class
 the executor's forward + backward work of the sliced tree, with the backward's recomputation and
 a charge for any further slicing its memory model needs. The search runs :data:`MIN_TRIALS`
 trials, then more, :data:`BATCH` at a time, while they cost less than :data:`SEARCH_FRACTION` of
-the best plan's estimated time (:func:`wants_more`; at most 32 trials), so a contraction of
-milliseconds is not searched for seconds. The trials are cheap greedy trees (cotengra's subtree
+the best plan's estimated time (:func:`wants_more`; at most :func:`_budget_cap` trials, 128 for
+up to 64 operands), so a contraction of milliseconds is not searched for seconds and one of
+minutes gets the trials its greedy trees' spread calls for. The trials are cheap greedy trees (cotengra's subtree
 reconfiguration, which its own default search runs on every trial, costs 10-20x a trial); the
 winner alone is then reconfigured, as sliced and with its order unsliced (sliced afresh by the
 planner), where that costs at most :data:`POLISH_FRACTION` of its estimated time
@@ -57,7 +58,7 @@ __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 5   # bump when the search or its scoring changes: old cached paths are ignored
+_CACHE_VERSION = 6   # bump when the search or its scoring changes: old cached paths are ignored
 
 
 @dataclass(frozen=True)
@@ -90,8 +91,19 @@ POLISH_FRACTION = 0.5     # of the best plan's estimated time, at most, spent re
 
 
 def _max_trials(n_operands: int) -> int:
-    """The most trials of a search: 32, 16 beyond 64 operands, 4 beyond 256."""
+    """The trials of the full search that ``optimize="cotengra"`` asks for: 32, 16 beyond 64
+    operands, 4 beyond 256."""
     return 32 if n_operands <= 64 else 16 if n_operands <= 256 else 4
+
+
+def _budget_cap(n_operands: int) -> int:
+    """The most trials of ``"auto"``'s budgeted search: 4 x :func:`_max_trials` (128, 64 beyond
+    64 operands, 16 beyond 256). Only a contraction whose estimated time makes them worth it
+    (:func:`wants_more`, within :data:`MAX_SEARCH_S`) runs that many. Why so many: greedy trees
+    vary widely. A 72-tensor PEPS norm of bond 3 sliced to 1 MiB, capped at 16 trials, planned
+    between 9.6e10 and 3.6e13 FLOPs of forward + backward over five search seeds (6.4e12 with
+    this seed), and between 9.6e10 and 4.7e11 with 64 trials."""
+    return 4 * _max_trials(n_operands)
 
 
 def _trials_worth(n_operands: int, flops: float) -> int:
@@ -106,10 +118,10 @@ def search_budget(n_operands: int, flops: float, sliced_flops: Optional[float] =
     costs ``flops`` (forward, real FLOPs; opt_einsum's greedy path, an upper bound of what the
     search finds), or, sliced to a limit, ``sliced_flops`` (forward + backward, recomputation
     included) where that is more: ``min_repeats`` trials (at most :data:`MIN_TRIALS`, fewer when even that path
-    is worth less search; below 2 no search) and at most ``max_repeats`` (32; 16 beyond 64
-    operands, 4 beyond 256). Between the two, :func:`wants_more` decides from the best plan
-    found so far. Depends only on the network: deterministic."""
-    cap = _max_trials(n_operands)
+    is worth less search; below 2 no search) and at most ``max_repeats`` (:func:`_budget_cap`).
+    Between the two, :func:`wants_more` decides from the best plan found so far. Depends only
+    on the network: deterministic."""
+    cap = _budget_cap(n_operands)
     worth = _trials_worth(n_operands, max(3 * flops, sliced_flops or 0.0))
     return {"min_repeats": max(0, min(cap, MIN_TRIALS, worth)), "max_repeats": cap}
 
