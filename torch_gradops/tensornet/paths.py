@@ -15,12 +15,12 @@ a charge for any further slicing its memory model needs. The search runs :data:`
 trials, then more, :data:`BATCH` at a time, while they cost less than :data:`SEARCH_FRACTION` of
 the best plan's estimated time (:func:`wants_more`; at most :func:`_budget_cap` trials, 128 for
 up to 64 operands), so a contraction of milliseconds is not searched for seconds and one of
-minutes gets the trials its greedy trees' spread calls for. The trials are cheap greedy trees (cotengra's subtree
-reconfiguration, which its own default search runs on every trial, costs 10-20x a trial); the
-winner alone is then reconfigured, as sliced and with its order unsliced (sliced afresh by the
-planner), where that costs at most :data:`POLISH_FRACTION` of its estimated time
-(:func:`worth_polishing`): on the benchmark lattices this cut the chosen plans' work by up to 6x
-(6x6, bond 8, at 4 MiB). The search is seeded (:data:`SEED`) and its budget counts trials, not
+minutes gets the trials its greedy trees' spread calls for. The trials are cheap greedy trees
+(cotengra's subtree reconfiguration, which its own default search runs on every trial, costs
+10-20x a trial); the winner alone is then reconfigured, as sliced and with its order unsliced
+(sliced afresh by the planner), where that costs at most :data:`POLISH_FRACTION` of its
+estimated time (:func:`worth_polishing`): on the benchmark lattices this cut the chosen plans'
+work by up to 6x (6x6, bond 8, at 4 MiB). The search is seeded (:data:`SEED`) and its budget counts trials, not
 seconds, so it is deterministic: every rank of a process group finds the same plan. The planner
 then schedules the chosen tree's steps heavy subtree last (:func:`heavy_last`).
 
