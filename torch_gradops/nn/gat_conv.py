@@ -167,8 +167,9 @@ class GATConv(FusedMessagePassing, PyGGATConv):
     def _attend(self, x_src: Tensor, alpha_src: Tensor, alpha_dst: Optional[Tensor],
                 edge_logits: Optional[Tensor], graph: BipartiteCSC, num_dst: int, want_alpha: bool):
         """The fused op, in the projected features' dtype with logits in :meth:`_logit_dtype`:
-        ``(out [N_t, H, C], alpha [E', H] or None)``, with the trash row of the input's own self-loops (built under
-        torch.compile only, see :func:`~torch_gradops.graph.csc_from_edges`) dropped."""
+        ``(out [N_t, H, C], alpha [E', H] or None)``, with the trash row of the input's own
+        self-loops (built under torch.compile only, see
+        :func:`~torch_gradops.graph.csc_from_edges`) dropped."""
         H = self.heads
         dtype = self._logit_dtype(x_src.dtype)  # the logits'
         trash = graph.num_dst == num_dst + 1  # (torch.compile) the extra row holding the input's self-loops

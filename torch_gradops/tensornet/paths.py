@@ -20,9 +20,10 @@ minutes gets the trials its greedy trees' spread calls for. The trials are cheap
 10-20x a trial); the winner alone is then reconfigured, as sliced and with its order unsliced
 (sliced afresh by the planner), where that costs at most :data:`POLISH_FRACTION` of its
 estimated time (:func:`worth_polishing`): on the benchmark lattices this cut the chosen plans'
-work by up to 6x (6x6, bond 8, at 4 MiB). The search is seeded (:data:`SEED`) and its budget counts trials, not
-seconds, so it is deterministic: every rank of a process group finds the same plan. The planner
-then schedules the chosen tree's steps heavy subtree last (:func:`heavy_last`).
+work by up to 6x (6x6, bond 8, at 4 MiB). The search is seeded (:data:`SEED`) and its budget
+counts trials, not seconds, so it is deterministic: every rank of a process group finds the
+same plan. The planner then schedules the chosen tree's steps heavy subtree last
+(:func:`heavy_last`).
 
 An opt-in on-disk cache of searched paths (cotengra's ``ReusableHyperOptimizer``), keyed by the
 network and the options that shape the path, lets a new process skip the search: pass
