@@ -224,16 +224,49 @@ def _tn_mismatched_inputs(rank, world_size, what):
         expr = "ab,bc->ca"  # same shapes, another output order: the sums were silently wrong
     if what == "dtype" and rank == 1:
         a, b = a.float(), b.float()  # different buffer sizes: a gloo rank aborted
+    if what == "values" and rank == 1:
+        b = torch.randn(4, 5, dtype=torch.float64)  # another draw: each rank summed part of its own contraction
+    if what == "order" and rank == 1:
+        b = b.flip(1)  # the same numbers elsewhere: sums agree, the sampled elements do not
     a.requires_grad_(what != "grad" or rank == 0)
     out = tg.tensornet.contract(expr, a, b, slicing=["b"], process_group=dist.group.WORLD)
-    out.sum().backward()
+    (out * (1 + rank if what == "output_grad" else 1)).sum().backward()
+    return a.grad
 
 
-@pytest.mark.parametrize("what, match", [("expr", "network"), ("dtype", "dtype"),
-                                         ("grad", "operands requiring gradients")])
+@pytest.mark.parametrize("what, match", [("expr", "contract different things: the network"),
+                                         ("dtype", "contract different things: the dtype"),
+                                         ("grad", "contract different things: the operands requiring gradients"),
+                                         ("values", r"contract different things: the operand values of rank\(s\) "
+                                                    r"\[1\] differ from rank 0's \(operand\(s\) \[1\]\)"),
+                                         ("order", r"the operand values of rank\(s\) \[1\]"),
+                                         ("output_grad", r"ranks backpropagate different output gradients: "
+                                                         r"rank\(s\) \[1\]")])
 def test_ranks_contracting_different_inputs_get_a_clear_error(what, match):
-    with pytest.raises(RuntimeError, match=f"ranks contract different things: the {match}"):
+    with pytest.raises(RuntimeError, match=match):
         launch(_tn_mismatched_inputs, 2, what, timeout=TIMEOUT)
+
+
+def test_ranks_with_the_same_operands_from_different_summation_orders_agree():
+    """The value check compares sums to a tolerance: equal tensors whose float64 sums come out
+    in another order (other thread counts, devices) pass; a change of one element in 10^6
+    does not."""
+    from torch_gradops.distributed import fingerprints, same_fingerprint
+
+    x = torch.randn(1000, 1000, dtype=torch.float32, generator=torch.Generator().manual_seed(0))
+    f = fingerprints([x])[0]
+    g = list(f)
+    g[3] += 1e-12 * g[4]  # the sum, as another order of summation gives it
+    assert same_fingerprint(f, tuple(g))
+    y = x.clone()
+    y[500, 321] += 1.0  # an element that is not sampled
+    assert not same_fingerprint(f, fingerprints([y])[0])
+    assert same_fingerprint(fingerprints([torch.full((3,), float("nan"))])[0],
+                             fingerprints([torch.full((3,), float("nan"))])[0])
+    assert not same_fingerprint(fingerprints([x])[0], fingerprints([x.double()])[0])
+    small = torch.randn(2, 2, 2, dtype=torch.complex64)  # compared element by element
+    assert same_fingerprint(fingerprints([small])[0], fingerprints([small.clone()])[0])
+    assert not same_fingerprint(fingerprints([small])[0], fingerprints([small * (1 + 1e-7)])[0])
 
 
 def _tn_group_membership_func_progress(rank, world_size):

@@ -7,14 +7,18 @@ output blocks and zeros elsewhere). In backward each rank computes the gradients
 bfloat16 results and gradients travel in float32 and are rounded once, after the sum), so
 ``loss.backward()`` on every rank gives every rank the full gradient, provided every rank
 backpropagates the same output gradient (as when each computes the same loss from the full
-result). With no process group initialised it is a plain local contraction.
+result). Ranks that pass different operand values or output gradients (say, operands drawn
+from an unseeded generator on each rank) would sum parts of different contractions: both are
+compared across ranks by a fingerprint (:func:`fingerprints`) and refused with an error. With
+no process group initialised it is a plain local contraction.
 """
 from __future__ import annotations
 
+import math
 import time
 import weakref
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -22,7 +26,12 @@ import torch.distributed as dist
 from ..tensornet import parser, resolve
 from ..tensornet.program import accumulate_dtype
 
-__all__ = ["contract", "contract_plan", "ContractStats", "DistributedContractFunction", "split_by_cost", "rank_slices"]
+__all__ = ["contract", "contract_plan", "ContractStats", "DistributedContractFunction", "split_by_cost", "rank_slices",
+           "fingerprints", "same_fingerprint"]
+
+FINGERPRINT_SAMPLES = 16  # evenly spaced elements of each tensor in its fingerprint
+FINGERPRINT_WHOLE = 64    # a tensor of at most this many real numbers is its fingerprint
+FINGERPRINT_RTOL = 1e-9   # float64 sums of equal tensors differ only by summation order (threads, devices)
 
 
 def split_by_cost(costs: Sequence[float], world_size: int) -> List[List[int]]:
@@ -68,11 +77,94 @@ def _rank_slices(plan, group) -> range:
     return rank_slices(plan.num_slices, dist.get_world_size(group), dist.get_rank(group))
 
 
+def fingerprints(values: Sequence[Any]) -> List[Tuple]:
+    """A few numbers per tensor that tell tensors apart, cheap next to a contraction (three
+    reductions over a large tensor, one transfer to the host per device and dtype): shape, dtype, the float64 sum, the sums of
+    absolute values and of squares, and :data:`FINGERPRINT_SAMPLES` evenly spaced elements, or
+    every element of a tensor of at most :data:`FINGERPRINT_WHOLE` (complex tensors as their real
+    and imaginary parts). Anything but a tensor: its ``repr``. Compared with :func:`same_fingerprint`."""
+    out: List[Any] = []
+    small = {}    # (device, dtype) -> [(position in out, tensor)]: sent whole, one transfer per group
+    summary = {}  # device -> [(position in out, count, numbers on the device)]
+    with torch.no_grad():
+        for t in values:
+            if not isinstance(t, torch.Tensor):
+                out.append(("value", repr(t)))
+                continue
+            x = t.detach()
+            out.append((tuple(x.shape), str(x.dtype)))
+            if x.numel() == 0:
+                continue
+            if x.numel() * (2 if x.is_complex() else 1) <= FINGERPRINT_WHOLE:  # most of a circuit's gates
+                out[-1] += ("elements",)
+                small.setdefault((x.device, x.dtype), []).append((len(out) - 1, x.reshape(-1)))
+                continue
+            out[-1] += ("summary",)
+            x = (torch.view_as_real(x) if x.is_complex() else x).reshape(-1)
+            if not x.is_floating_point():
+                x = x.to(torch.float64)
+            picks = torch.linspace(0, x.numel() - 1, FINGERPRINT_SAMPLES, device=x.device).round().long()
+            numbers = torch.cat([torch.stack([x.sum(dtype=torch.float64),
+                                              torch.linalg.vector_norm(x, 1, dtype=torch.float64),
+                                              torch.linalg.vector_norm(x, 2, dtype=torch.float64)]),
+                                 x[picks].to(torch.float64)])
+            summary.setdefault(x.device, []).append((len(out) - 1, numbers.numel(), numbers))
+        batches = [(items, torch.cat([n for _, _, n in items])) for items in summary.values()]
+        for items in small.values():
+            flat = torch.cat([x for _, x in items])
+            flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
+            width = 2 if items[0][1].is_complex() else 1
+            batches.append(([(pos, x.numel() * width, None) for pos, x in items], flat.to(torch.float64)))
+        for items, flat in batches:
+            flat, offset = flat.tolist(), 0
+            for position, count, _ in items:
+                out[position] += tuple(flat[offset:offset + count])
+                offset += count
+    return out
+
+
+def same_fingerprint(a: Tuple, b: Tuple) -> bool:
+    """Whether two fingerprints (:func:`fingerprints`) can come from the same tensor: the same
+    shape, dtype and sent elements (NaN matching NaN), sums within :data:`FINGERPRINT_RTOL` of
+    the sum of absolute values (summation order differs between thread counts and devices)."""
+    if len(a) != len(b) or a[:3] != b[:3] or a[0] == "value" or len(a) == 2:  # the latter two: exact (empty)
+        return a == b
+    exact = a[2] == "elements"
+    scale = max(abs(a[4]), abs(b[4]), 1e-300) if not exact else 0.0  # the sums of absolute values
+    for k, (u, v) in enumerate(zip(a[3:], b[3:])):
+        if u == v or (math.isnan(u) and math.isnan(v)):
+            continue
+        if exact or k >= 3 or not abs(u - v) <= FINGERPRINT_RTOL * (scale if k < 2 else max(abs(u), abs(v))):
+            return False
+    return True
+
+
+def _differing_ranks(every: List[List[Tuple]]) -> List[int]:
+    """Ranks whose fingerprints (one list per rank) differ from rank 0's."""
+    return [r for r, other in enumerate(every)
+            if len(other) != len(every[0]) or not all(same_fingerprint(u, v) for u, v in zip(other, every[0]))]
+
+
+def _check_same_output_grad(grad_out: torch.Tensor, group) -> None:
+    """Every rank must backpropagate the same output gradient (each rank's slices' gradients
+    are summed across ranks, so different ones would mix gradients of different losses)."""
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, fingerprints([grad_out]), group=group)
+    ranks = _differing_ranks(every)
+    if ranks:
+        raise RuntimeError(
+            f"ranks backpropagate different output gradients: rank(s) {ranks} differ from rank 0's; every rank "
+            "must backpropagate the same gradient of the full result (compute the same loss from it on every "
+            "rank, not a loss of rank-local data)")
+
+
 def _check_same_plan(plan, operands, group) -> None:
     """Every rank must contract the same network with the same path and slicing, operands of
     the same shapes and dtype, and want the same gradients, or the partial sums do not add up
     (or the collectives get buffers of different sizes, which ends a gloo rank and hangs NCCL).
-    Randomised optimisers (cotengra's hyper-search) can differ per rank: refuse that too."""
+    Randomised optimisers (cotengra's hyper-search) can differ per rank: refuse that too, and
+    operands whose values differ (:func:`fingerprints`; checked last, so a different network is
+    reported as such)."""
     net = plan.network
     wants = [bool(torch.is_grad_enabled() and isinstance(op, torch.Tensor) and op.requires_grad) for op in operands]
     mine = {
@@ -81,8 +173,10 @@ def _check_same_plan(plan, operands, group) -> None:
         "operands requiring gradients": wants,
         "path or sliced modes": (list(plan.path), list(plan.sliced_modes), plan.num_slices),
     }
+    values = fingerprints(operands)
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, mine, group=group)  # all ranks see all plans: all raise together
+    dist.all_gather_object(every, (mine, values), group=group)  # all ranks see all plans: all raise together
+    every, every_values = [e[0] for e in every], [e[1] for e in every]
     for what in mine:
         if any(other[what] != every[0][what] for other in every):
             ranks = [r for r, other in enumerate(every) if other[what] != every[0][what]]
@@ -91,6 +185,14 @@ def _check_same_plan(plan, operands, group) -> None:
                 "rank must pass the same expression, operand shapes and dtype, and the same requires_grad "
                 "flags, and plan with the same arguments (the default search is seeded and deterministic), "
                 "or pass an explicit path and slicing=[modes], or the same plan=")
+    ranks = _differing_ranks(every_values)
+    if ranks:
+        which = sorted({k for r in ranks for k, (u, v) in enumerate(zip(every_values[r], every_values[0]))
+                        if not same_fingerprint(u, v)})
+        raise RuntimeError(
+            f"ranks contract different things: the operand values of rank(s) {ranks} differ from rank 0's "
+            f"(operand(s) {which}); every rank must pass the same operands: seed random operands the same on "
+            "every rank, or broadcast them from rank 0 (torch.distributed.broadcast)")
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -138,6 +240,7 @@ class DistributedContractFunction(torch.autograd.Function):
             raise NotImplementedError(
                 "create_graph=True through a distributed contraction is not supported; contract "
                 "locally (no process_group) for higher-order gradients")
+        _check_same_output_grad(grad_out, group)
         operands = ctx.saved_tensors
         want = ctx.needs_input_grad[5:]
         t0 = time.perf_counter()
