@@ -240,6 +240,7 @@ class DistributedContractFunction(torch.autograd.Function):
             raise NotImplementedError(
                 "create_graph=True through a distributed contraction is not supported; contract "
                 "locally (no process_group) for higher-order gradients")
+        t_check = time.perf_counter()
         _check_same_output_grad(grad_out, group)
         operands = ctx.saved_tensors
         want = ctx.needs_input_grad[5:]
@@ -267,7 +268,7 @@ class DistributedContractFunction(torch.autograd.Function):
             _sync(needed[0])
         if ctx.stats is not None:
             ctx.stats.compute_s += t1 - t0
-            ctx.stats.comm_s += time.perf_counter() - t1
+            ctx.stats.comm_s += time.perf_counter() - t1 + (t0 - t_check)  # the check is communication too
         return (None, None, None, None, None, *(g if g is None else g.to(op.dtype) for g, op in zip(grads, operands)))
 
 
