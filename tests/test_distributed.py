@@ -150,28 +150,35 @@ def _tn_inputs(case):
     return expr, ops, dict(slicing=slicing, memory_limit=limit[0] if limit else None)
 
 
-def _tn_ranks(rank, world_size):
+def _tn_ranks(rank, world_size, device="cpu"):
     import torch.distributed as dist
 
     from torch_gradops.distributed import ContractStats, contract
 
+    device = f"cuda:{rank}" if device == "cuda:rank" else device  # NCCL: a GPU per rank
     results = []
     for case in range(len(TN_CASES)):
         expr, ops, options = _tn_inputs(case)
-        ops = [o.requires_grad_() for o in ops]
+        ops = [o.to(device).requires_grad_() for o in ops]
         stats = ContractStats()
         out = contract(expr, *ops, **options, process_group=dist.group.WORLD, stats=stats)
-        weight = torch.linspace(-1, 2, out.numel(), dtype=torch.float64).view(out.shape)
+        weight = torch.linspace(-1, 2, out.numel(), dtype=torch.float64, device=device).view(out.shape)
         (out.real * weight).sum().backward()
-        results.append((out.detach(), [o.grad for o in ops], stats.slices))
+        results.append((out.detach().cpu(), [o.grad.cpu() for o in ops], stats.slices))
     return results
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_distributed_contraction_matches_single_process(world):
+@pytest.mark.parametrize("world, device, backend", [
+    (2, "cpu", "gloo"), (3, "cpu", "gloo"),
+    # CUDA operands: gloo stages them through the host, so two ranks can share one GPU
+    pytest.param(2, "cuda", "gloo", marks=pytest.mark.cuda),
+    # NCCL needs a GPU per rank
+    pytest.param(2, "cuda:rank", "nccl", marks=[pytest.mark.cuda, pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="NCCL needs two GPUs (one per rank)")])])
+def test_distributed_contraction_matches_single_process(world, device, backend):
     import torch_gradops as tg
 
-    per_rank = launch(_tn_ranks, world, timeout=TIMEOUT)
+    per_rank = launch(_tn_ranks, world, device, backend=backend, timeout=TIMEOUT)
     for case in range(len(TN_CASES)):
         expr, ops, options = _tn_inputs(case)
         ops = [o.requires_grad_() for o in ops]
