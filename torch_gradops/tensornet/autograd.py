@@ -17,6 +17,7 @@ tangent. This module does not plan: plans come in as arguments.
 from __future__ import annotations
 
 import itertools
+import math
 from typing import List, Optional
 
 import torch
@@ -197,6 +198,8 @@ class ContractFunction(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, _plan_t, _slices_t, _mode_t, *tangents):
         operands = ctx.saved_tensors
+        if any(is_legacy_batched(t) for t in tangents):
+            return (_composite_tangent(ctx.plan, list(operands), tangents, ctx.slices),) + (None,) * ctx.n_extra
         total = None
         for i, t in enumerate(tangents):
             if t is None:
@@ -241,14 +244,80 @@ def _derivative_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[t
 
 
 def _composite_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[torch.Tensor]]:
-    """The operands' gradients by PyTorch's autograd of :func:`_composite` (the unsliced einsum
-    steps; differentiable again under ``create_graph=True``)."""
-    with torch.enable_grad():  # the operands asked for require grad (needs_input_grad)
-        wanted = [t for t, n in zip(eff, needs) if n]
-        out = _composite(plan, eff, plan.slice_set.group(slices))
-        got = iter(torch.autograd.grad(out, wanted, grad_out.to(out.dtype), create_graph=torch.is_grad_enabled(),
-                                       allow_unused=True, materialize_grads=True))
-    return [next(got) if n else None for n in needs]
+    """The operands' gradients under a legacy-batched ``grad_out`` (``is_grads_batched=True``,
+    ``jacobian``/``hessian(vectorize=True)``): neither the executor's ops (they take tensor
+    lists) nor einsum's forward can run on that vmap's tensors, but autograd's backward of the
+    einsum steps (:func:`_composite`, unsliced) can.
+
+    Each gradient must be the partial derivative along this node's edge alone. Where the output
+    gradient itself depends on an operand (``contract(a, b) ** 2``), ``torch.autograd.grad`` of
+    the composite for the operands as they are would also follow that dependence, which the
+    engine then follows again (the mixed second derivatives came out doubled). So the operand
+    differentiated is a detached copy: all of them in one composite, or under
+    ``create_graph=True`` one composite per operand with only that one detached, so that its
+    gradient stays differentiable in the output gradient and the other operands (the network is
+    linear in each operand: the gradient does not depend on the operand itself)."""
+    create_graph = torch.is_grad_enabled()
+    group = plan.slice_set.group(slices)
+    with torch.enable_grad():
+        if not create_graph:
+            leaves = [t.detach().requires_grad_(bool(n)) for t, n in zip(eff, needs)]
+            out = _composite(plan, leaves, group)
+            got = iter(torch.autograd.grad(out, [t for t, n in zip(leaves, needs) if n], grad_out.to(out.dtype),
+                                           allow_unused=True, materialize_grads=True))
+            return [next(got) if n else None for n in needs]
+        grads: List[Optional[torch.Tensor]] = []
+        for i, n in enumerate(needs):
+            if not n:
+                grads.append(None)
+                continue
+            leaf = eff[i].detach().requires_grad_(True)
+            out = _composite(plan, eff[:i] + [leaf] + eff[i + 1:], group)
+            grads.append(torch.autograd.grad(out, leaf, grad_out.to(out.dtype), create_graph=True,
+                                             allow_unused=True, materialize_grads=True)[0])
+        return grads
+
+
+def _composite_tangent(plan, eff, tangents, slices) -> torch.Tensor:
+    """The output's tangent under legacy-batched tangents (``jacobian(strategy="forward-mode",
+    vectorize=True)``, gradcheck's batched forward-gradient check): the sum over operands of the
+    network with that operand replaced by its tangent, as :meth:`ContractFunction.jvp`, but
+    contracted by :func:`_composite` (unsliced) in matmul steps (:func:`_matmul_einsum`):
+    neither the executor's ops nor einsum (both take tensor lists) run on that vmap's
+    tensors."""
+    group = plan.slice_set.group(slices)
+    total = None
+    for i, t in enumerate(tangents):
+        if t is not None:
+            part = _composite(plan, eff[:i] + [t.to(eff[i].dtype)] + eff[i + 1:], group, einsum=_matmul_einsum)
+            total = part if total is None else total + part
+    return total
+
+
+def _matmul_einsum(tensors, modes, out_modes) -> torch.Tensor:
+    """One or two tensors contracted as :func:`_einsum` does, by sums, permutes, reshapes and a
+    batched matmul: ops that the legacy vmap can batch (einsum, taking a tensor list, it cannot)."""
+    def reduce(t, mm, keep):  # sum the modes not in keep, once each
+        gone = [d for d, m in enumerate(mm) if m not in keep]
+        return (t.sum(gone) if gone else t), [m for m in mm if m in keep]
+
+    if len(tensors) == 1:
+        t, mm = reduce(tensors[0], modes[0], set(out_modes))
+        return t.permute([mm.index(m) for m in out_modes])
+    (a, b), (ma, mb) = tensors, modes
+    a, ma = reduce(a, ma, set(out_modes) | set(mb))
+    b, mb = reduce(b, mb, set(out_modes) | set(ma))
+    batch = [m for m in ma if m in mb and m in out_modes]
+    summed = [m for m in ma if m in mb and m not in out_modes]
+    free_a = [m for m in ma if m not in mb]
+    free_b = [m for m in mb if m not in ma]
+    size = {**dict(zip(ma, a.shape)), **dict(zip(mb, b.shape))}
+    numel = lambda ms: math.prod(size[m] for m in ms)  # noqa: E731
+    a3 = a.permute([ma.index(m) for m in batch + free_a + summed]).reshape(numel(batch), numel(free_a), numel(summed))
+    b3 = b.permute([mb.index(m) for m in batch + summed + free_b]).reshape(numel(batch), numel(summed), numel(free_b))
+    got = torch.bmm(a3, b3).reshape([size[m] for m in batch + free_a + free_b])
+    have = batch + free_a + free_b
+    return got.permute([have.index(m) for m in out_modes])
 
 
 def _mode(plan, eff, group) -> str:
@@ -264,11 +333,13 @@ def _mode(plan, eff, group) -> str:
     return PLAIN
 
 
-def _composite(plan, eff, group) -> torch.Tensor:
+def _composite(plan, eff, group, einsum=None) -> torch.Tensor:
     """The whole contraction in ``torch.einsum`` steps along the plan's path, unsliced: what
     nested forward mode and torch.compile over reverse-mode or vmap transforms run (see
     :mod:`torch_gradops._transforms`); PyTorch differentiates it in every mode. It holds the
-    unsliced intermediates: ``memory_limit`` does not bound it."""
+    unsliced intermediates: ``memory_limit`` does not bound it. ``einsum``: the step function
+    (default :func:`_einsum`)."""
+    einsum = einsum or _einsum
     if len(group) != plan.num_slices:
         raise NotImplementedError(
             "a partial slice group under nested forward-mode AD or under torch.compile of a torch.func "
@@ -281,9 +352,9 @@ def _composite(plan, eff, group) -> torch.Tensor:
         ms = [modes.pop(k) for k in picked]
         keep = set(net.output).union(*map(set, modes))
         kept = list(dict.fromkeys(m for mm in ms for m in mm if m in keep))
-        tensors.append(_einsum(ts, ms, kept))
+        tensors.append(einsum(ts, ms, kept))
         modes.append(kept)
-    return _einsum(tensors, modes, list(net.output))
+    return einsum(tensors, modes, list(net.output))
 
 
 def _einsum(tensors, modes, out_modes) -> torch.Tensor:
