@@ -133,6 +133,28 @@ def check_inference_tensor_graph_edits(pyg_cls, our_cls):
     close(ours(x, ei, ea), theirs(x, ei, ea), msg="inference tensors outside inference mode")
 
 
+def check_graph_edits_that_bypass_the_version_counter(pyg_cls, our_cls):
+    """A CPU edge_index edited where its version counter does not see it (a ``torch.from_numpy``
+    buffer written through numpy, a write through ``.data``, edges reordered that way): the
+    layer must see the new graph, not a stale cached conversion, as PyG's does."""
+    import numpy as np
+    theirs, ours = make_pair(pyg_cls, our_cls, 8, 4, heads=2)
+    x = torch.randn(6, 8)
+    buffer = np.array([[0, 1, 2, 3], [1, 2, 3, 4]])
+    ei = torch.from_numpy(buffer)
+    close(ours(x, ei), theirs(x, ei))
+    buffer[1] = 5  # ei._version stays 0
+    close(ours(x, ei), theirs(x, ei), msg="after a write through numpy")
+    ei = torch.tensor([[0, 1, 2, 3], [1, 2, 3, 4]])
+    close(ours(x, ei), theirs(x, ei))
+    ei.data[:, [0, 3]] = ei.data[:, [3, 0]].clone()  # the same edges in another order
+    (out, (_, alpha)), (ref, (_, ref_alpha)) = [m(x, ei, return_attention_weights=True) for m in (ours, theirs)]
+    close(out, ref)
+    close(alpha, ref_alpha, msg="attention of reordered edges")
+    ei.data[1, 1] = 0  # one destination changed
+    close(ours(x, ei), theirs(x, ei), msg="after a write through .data")
+
+
 def check_explainer_masks_and_hooks(pyg_cls, our_cls, model_kw):
     """``torch_geometric.explain``'s edge masks and MessagePassing's hooks act inside
     ``propagate``, which the fused kernel does not run: with either present the layer runs PyG's
@@ -208,6 +230,53 @@ def check_uncoalesced_coo_adjacency(pyg_cls, our_cls):
     _, with_edges = make_pair(pyg_cls, our_cls, 3, 2, heads=2, edge_dim=2)
     with pytest.raises(ValueError, match="uncoalesced"):
         with_edges(x, torch.sparse_coo_tensor(idx, torch.ones(4), (4, 4)), torch.randn(4, 2))
+
+
+def check_coo_adjacency_shared_with_pyg_layers(pyg_cls, our_cls):
+    """A model that runs PyG's layer and ours on one coalesced ``torch.sparse`` COO ``adj_t``
+    without self-loops: reading the graph must not bump the version of the adjacency's indices,
+    which PyG's layer saved for its backward (PyG's ``to_edge_index`` marks the tensor coalesced
+    in place; the backward then failed "modified by an inplace operation")."""
+    from torch_geometric.utils import to_torch_coo_tensor
+    ei = torch.tensor([[0, 1, 2, 2], [1, 0, 1, 3]])
+    adj_t = to_torch_coo_tensor(ei.flip(0), size=(4, 4))
+    x = torch.randn(4, 8, requires_grad=True)
+    theirs, ours = make_pair(pyg_cls, our_cls, 8, 4, heads=2, add_self_loops=False)
+    first = theirs(x, adj_t)
+    version = adj_t._indices()._version
+    second = ours(x, adj_t)
+    assert adj_t._indices()._version == version
+    close(second, first)
+    (first.sum() + second.sum()).backward()  # raised before
+    close(x.grad, 2 * torch.autograd.grad(theirs(x, adj_t).sum(), x)[0])
+
+
+def check_edge_index_sparse_size(pyg_cls, our_cls):
+    """An ``EdgeIndex`` whose ``sparse_size`` disagrees with the features is refused exactly
+    where PyG's layer refuses it (its propagate checks the sizes, after the self-loops widen
+    them), with PyG's message; elsewhere the outputs agree."""
+    from torch_geometric import EdgeIndex
+    edges = torch.tensor([[0, 3, 4, 1], [1, 2, 0, 3]])
+    for sparse_size in [(5, 4), (6, 4), (5, 6), (4, 4), (5, None), (None, 4)]:
+        for num_src, num_dst, form in [(5, 4, "pair"), (5, 5, "x"), (6, 6, "pair"), (5, 5, "pair_none")]:
+            for loops in (False, True):
+                theirs, ours = make_pair(pyg_cls, our_cls, 8, 4, heads=2, add_self_loops=loops)
+                xs, xd = torch.randn(num_src, 8), torch.randn(num_dst, 8)
+                x = xs if form == "x" else (xs, xd) if form == "pair" else (xs, None)
+                what = f"sparse_size={sparse_size}, {form} {num_src}/{num_dst}, add_self_loops={loops}"
+                try:
+                    want = theirs(x, EdgeIndex(edges, sparse_size=sparse_size))
+                except ValueError as e:
+                    assert "Encountered tensor with size" in str(e)
+                    with pytest.raises(ValueError, match=r"Encountered tensor with size \d+ in dimension 0, but "
+                                                         r"expected size \d+: edge_index is an EdgeIndex"):
+                        ours(x, EdgeIndex(edges, sparse_size=sparse_size))
+                    continue
+                except AssertionError:  # GATv2Conv without destination features: both assert
+                    with pytest.raises(AssertionError):
+                        ours(x, EdgeIndex(edges, sparse_size=sparse_size))
+                    continue
+                close(ours(x, EdgeIndex(edges, sparse_size=sparse_size)), want, msg=what)
 
 
 def check_inference_pass_then_training(pyg_cls, our_cls):

@@ -16,7 +16,8 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
                          check_inference_pass_then_training,
-                         check_uncoalesced_coo_adjacency,
+                         check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
+                         check_edge_index_sparse_size, check_graph_edits_that_bypass_the_version_counter,
                          check_inference_tensor_graph_edits, close,
                          make_pair, random_graph, run_both)  # noqa: E402
 
@@ -302,6 +303,18 @@ def test_explainer_masks_and_message_passing_hooks_match_pyg():
 
 def test_uncoalesced_coo_adjacency_is_left_untouched():
     check_uncoalesced_coo_adjacency(PyGGATv2Conv, GATv2Conv)
+
+
+def test_coo_adjacency_shared_with_pyg_layers():
+    check_coo_adjacency_shared_with_pyg_layers(PyGGATv2Conv, GATv2Conv)
+
+
+def test_edge_index_sparse_size_is_checked_as_pyg_checks_it():
+    check_edge_index_sparse_size(PyGGATv2Conv, GATv2Conv)
+
+
+def test_graph_edits_that_bypass_the_version_counter_are_seen():
+    check_graph_edits_that_bypass_the_version_counter(PyGGATv2Conv, GATv2Conv)
 
 
 def test_inference_pass_then_training():
