@@ -1150,6 +1150,27 @@ def test_path_cache_on_disk_and_deterministic_search(tmp_path):
         assert [tuple(x) for x in path] == p.path and tuple(sliced) == p.sliced_modes
 
 
+def test_path_cache_hit_gives_the_plan_the_search_chose(tmp_path):
+    """The on-disk cache kept each search's tree and chose among them again on a hit, without
+    the candidates and the reconfigured trees the search had compared: a 12-tensor ring with
+    open legs at 512 bytes planned ('e', 'B') fresh and ('A', 'B', h/2) from the cache, so ranks
+    with warm and cold caches would have disagreed on the slices. The cache now keeps the tree
+    the search finally chose."""
+    gen = torch.Generator().manual_seed(0)
+    ops = [torch.randn(4, 4, 2, dtype=F64, generator=gen) for _ in range(12)]
+    lower, upper = "abcdefghijkl", "ABCD"
+    expr = ",".join(lower[i] + lower[(i + 1) % 12] + upper[i % 4] for i in range(12)) + "->AB"
+    plans = []
+    for cache in ("", tmp_path, tmp_path, tmp_path):  # none, written, read, read
+        tn.clear_plan_cache()
+        p = tn.plan(expr, *ops, memory_limit=512, optimize="cotengra", path_cache=cache)
+        plans.append((p.searched, p.path, p.sliced_modes, p.num_slices, p.flops))
+    assert [x[0] for x in plans] == [True, True, False, False]
+    assert all(x[1:] == plans[0][1:] for x in plans), plans
+    _close(p.contract(*ops), torch.einsum(expr, *ops))
+    tn.clear_plan_cache()
+
+
 def test_search_uses_pythons_seeded_greedy_whatever_is_installed(monkeypatch):
     """cotengra's own "greedy" trials run its Rust greedy when cotengrust is installed, whose
     random draws are seeded per process (plans would then differ between processes and ranks),

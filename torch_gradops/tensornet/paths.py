@@ -59,7 +59,7 @@ __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 6   # bump when the search or its scoring changes: old cached paths are ignored
+_CACHE_VERSION = 7   # bump when the search, its scoring or the cache's layout changes: old entries are ignored
 
 
 @dataclass(frozen=True)
@@ -307,41 +307,40 @@ def _cache_directory(path_cache, options) -> Optional[str]:
 
 
 def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: Optional[str]):
-    """``(trees, searched)``: the default search's :class:`BudgetedHyperOptimizer` searches
-    with ``options``, run in turn (:func:`_round_robin`); with ``cache_dir``, each search's tree read
-    from and written to its own cotengra ``ReusableHyperOptimizer`` cache there (a search runs
-    unless every tree is cached)."""
+    """``(trees, searched, cache)``: the default search's :class:`BudgetedHyperOptimizer`
+    searches with ``options``, run in turn (:func:`_round_robin`), or with ``cache_dir`` the
+    plan's tree read from a cotengra ``ReusableHyperOptimizer`` cache there (no search); ``cache``
+    is that cache (or None), into which :func:`_cotengra_search` writes the tree it finally
+    chooses: the cache holds the choice, not the searches' trees, so that a hit gives exactly
+    the plan of the search that wrote it (selecting among the searches' trees again would lack
+    the candidates and the reconfiguration the search compared them with)."""
     check_cotengra()
-    caches = []
+    cache = None
     if cache_dir is not None:
         try:
-            caches = [cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, str(j)), **o)
-                      for j, o in enumerate(options)]
+            cache = cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, "plan"), **options[0])
         except OSError as e:  # a file, or a folder that cannot be made
             raise ValueError(f"path_cache: cannot keep a cache in {os.path.dirname(cache_dir)!r} ({e}); pass a "
                              f"writable directory, or path_cache='' for none") from None
-        if not any(c.hash_query(inputs, output, size_dict)[1] for c in caches):
+        if not cache.hash_query(inputs, output, size_dict)[1]:
             try:
-                return [c.search(inputs, output, size_dict) for c in caches], False  # cache hits: no search
+                return [cache.search(inputs, output, size_dict)], False, cache  # a hit: no search
             except Exception as e:  # a truncated or corrupt entry (an interrupted write): search, rewrite it
                 warnings.warn(f"path_cache: an entry under {cache_dir!r} could not be read ({type(e).__name__}: "
                               f"{e}); searching again and rewriting it", RuntimeWarning, stacklevel=2)
     trees = _seeded(lambda: _round_robin([BudgetedHyperOptimizer(**o) for o in options], inputs, output, size_dict))
-    for cache, tree in zip(caches, trees):
-        if tree is not None:
-            cache.update_from_tree(tree, overwrite=True)
-    return trees, True
+    return trees, True, cache
 
 
 def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_dir=None,
                      score=None, candidates=(), polish: Optional[Callable[[float, int], bool]] = None) -> PathResult:
     """Run cotengra optimizers on integer modes (cotengra wants single-character symbols) and
     keep the best tree by ``score`` (its own score for a single optimizer object), also among
-    ``candidates`` (``(proxy, n, tree)``, filled by the searches: :attr:`PlanObjective.top`);
-    each through a ``ReusableHyperOptimizer`` on ``cache_dir`` when given (HyperOptimizer
-    options). When ``polish(work, trees)`` says the winner is worth it, its reconfigurations
-    (:func:`_reconfigured`) compete too; this runs after a cache hit as well, so that a cached
-    and a fresh search give the same plan."""
+    ``candidates`` (``(proxy, n, tree)``, filled by the searches: :attr:`PlanObjective.top`).
+    When ``polish(work, trees)`` says the winner is worth it, its reconfigurations
+    (:func:`_reconfigured`) compete too. With ``cache_dir`` (HyperOptimizer options), a
+    ``ReusableHyperOptimizer`` there keeps the tree finally chosen: a hit returns it as it is,
+    the plan the search gave."""
     sym = symbols(sizes)
     back = {v: k for k, v in sym.items()}
     c_in = [[sym[m] for m in t] for t in inputs]
@@ -357,9 +356,9 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
                 return exact(tree)
             except ValueError:
                 return math.inf
-    searched, best, t0 = True, None, time.perf_counter()
+    searched, best, t0, cache = True, None, time.perf_counter(), None
     if all(isinstance(o, dict) for o in optimizers):  # the default search: its trials in turn
-        trees, searched = _default_search(optimizers, c_in, c_out, c_sizes, cache_dir)
+        trees, searched, cache = _default_search(optimizers, c_in, c_out, c_sizes, cache_dir)
     else:  # the caller's own optimizer object
         try:
             trees = [_seeded(lambda: optimizers[0].search(c_in, c_out, c_sizes))]
@@ -373,9 +372,12 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
             # a cotengra optimizer object keeps its best tree: reused, it returns the first network's
             raise ValueError("optimize: the cotengra optimizer returned a tree of another network (an optimizer "
                              "object that already searched keeps its tree); pass a new one for each network")
-        value = score(tree) if score is not None and (len(trees) > 1 or candidates) else 0.0
+        value = score(tree) if score is not None and (len(trees) > 1 or candidates) and searched else 0.0
         if best is None or value < best[0]:
             best = (value, tree)
+    if not searched:  # the cached choice of an earlier search, as it chose it
+        tree = best[1]
+        return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], name, False, 0.0)
     if score is not None and candidates:  # the searches' proxy-best trees, scored exactly
         for proxy, _, tree in candidates:
             if proxy > 4 * candidates[0][0]:
@@ -387,8 +389,10 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
         polished = [(score(t), t) for t in _reconfigured(best[1], c_in, c_out, c_sizes)]
         best = min([best] + polished, key=lambda x: x[0])
     tree = best[1]
+    if cache is not None:
+        cache.update_from_tree(tree, overwrite=True)
     return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], name, searched,
-                      time.perf_counter() - t0 if searched else 0.0)
+                      time.perf_counter() - t0)
 
 
 class _MemoisedOptimal:
