@@ -1947,6 +1947,42 @@ def test_vectorized_forward_mode_jacobians(expr, shapes, dtype, memory_limit):
                                     check_backward_ad=False)
 
 
+def test_slice_ids_of_any_integer_kind_and_checked_slice_indices():
+    """``slices=`` took Python ints only (``np.int64(1)`` or an array of ids: TypeError), and
+    ``plan.slice_indices`` did not check its id (``num_slices`` wrapped round to slice 0, -1
+    gave the last)."""
+    import numpy as np
+    gen = torch.Generator().manual_seed(43)
+    a, b, c = _rand((3, 4), F64, gen), _rand((4, 5), F64, gen), _rand((5, 3), F64, gen)
+    p = tn.plan("ij,jk,ki->", a, b, c, memory_limit=16)
+    n = p.num_slices
+    assert n > 2
+    full = p.contract(a, b, c)
+    _close(p.contract(a, b, c, slices=np.int64(0)) + p.contract(a, b, c, slices=np.arange(1, n)), full)
+    _close(p.contract(a, b, c, slices=torch.arange(n)), full)
+    _close(p.contract(a, b, c, slices=torch.tensor(1)), p.contract(a, b, c, slices=1))
+    assert p.slice_indices(np.int64(1)) == p.slice_indices(1)
+    for bad in (n, -1):
+        with pytest.raises(ValueError, match=f"slice id {bad} is out of range for a plan with {n} slice"):
+            p.slice_indices(bad)
+    with pytest.raises(TypeError, match="slice_indices takes one slice id"):
+        p.slice_indices([0, 1])
+
+
+def test_meta_operands_and_the_first_arguments_error():
+    """Operands on the meta device (shape inference) failed inside the autocast check ("unknown
+    device type for autocast"); torch.einsum takes them. A first argument that is neither an
+    expression nor an operand was reported as operand 0's modes."""
+    gen = torch.Generator().manual_seed(47)
+    ops = [_rand(s, F64, gen).to("meta") for s in ((3, 4), (4, 5), (5, 3))]
+    for kw in (dict(), dict(memory_limit=16)):
+        got = tn.contract("ij,jk,ki->i", *ops, **kw)
+        assert got.device.type == "meta" and got.shape == torch.einsum("ij,jk,ki->i", *ops).shape
+    for first in (123, None):
+        with pytest.raises(TypeError, match="the first argument must be an einsum expression"):
+            tn.contract(first, torch.ones(2, 2))
+
+
 def test_mixed_dtypes_promote():
     a, b = torch.randn(2, 3), torch.randn(3, 4, dtype=F64)
     out = tn.contract("ab,bc->ac", a, b)

@@ -155,6 +155,23 @@ def test_torch_compile_fullgraph_traces_every_transform(transform, case):
     torch.testing.assert_close(got, COMPILED_TRANSFORMS[transform](ref, ops[1:])(x))
 
 
+def test_compile_after_another_compiled_contraction():
+    """A sliced contraction not planned yet, compiled (default, not fullgraph) after another
+    compiled contraction in the process: Dynamo's recompile of the shared frames made the
+    slice group's bounds symbolic ints, and looking the group up in the table cache raised
+    "InternalTorchDynamoError: ... SymNodeVariable() is not a constant"."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(3)
+    a, b, c = (torch.randn(s, generator=gen, dtype=F64) for s in ((3, 4), (4, 5), (5, 3)))
+    batch = torch.randn(2, 3, 4, generator=gen, dtype=F64)
+    got = torch.compile(vmap(lambda x: tn.contract("ij,jk->ik", x, b)))(batch)
+    torch.testing.assert_close(got, torch.einsum("nij,jk->nik", batch, b))
+    tn.clear_plan_cache()
+    got = torch.compile(grad(lambda x: tn.contract("ij,jk,ki->", x, b, c, memory_limit=16)))(a)
+    torch.testing.assert_close(got, grad(lambda x: torch.einsum("ij,jk,ki->", x, b, c))(a))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_nested_forward_mode_matches_einsum(case):
     """jacfwd of jacfwd and jvp of jvp: a custom Function's jvp loses the enclosing forward

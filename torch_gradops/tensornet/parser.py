@@ -120,6 +120,10 @@ def split_interleaved(args):
     n = len(args)
     for k in range(n // 2):
         op, modes = args[2 * k], args[2 * k + 1]
+        if k == 0 and not _is_label_list(modes) and not isinstance(op, torch.Tensor):
+            raise TypeError(f"the first argument must be an einsum expression (a str) or, in the interleaved form, "
+                            f"an operand followed by its list of modes; got {type(op).__name__} then "
+                            f"{type(modes).__name__}")
         if not _is_label_list(modes):
             raise TypeError(f"interleaved form: the modes of operand {k} must be a list or tuple of "
                             f"hashable labels, got {type(modes).__name__}")
@@ -446,7 +450,13 @@ def autocast_operands(args) -> tuple:
     those dtypes (with a float64 or complex operand the network runs in that dtype, uncast;
     torch.einsum refuses such a mix); else ``args`` unchanged."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if not tensors or not torch.is_autocast_enabled(tensors[0].device.type):
+    if not tensors:
+        return args
+    try:
+        enabled = torch.is_autocast_enabled(tensors[0].device.type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        return args
+    if not enabled:
         return args
     eligible = (torch.float16, torch.bfloat16, torch.float32)
     if promoted_dtype(tensors) not in eligible:  # a float64 or complex operand: the whole network is

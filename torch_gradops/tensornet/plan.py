@@ -101,8 +101,11 @@ class ContractionPlan:
 
     # -- slices ---------------------------------------------------------------------------
     def slice_indices(self, s: int) -> Tuple[int, ...]:
-        """The sliced modes' indices of slice ``s``."""
-        return self.slice_set.indices(s)
+        """The sliced modes' indices of slice ``s`` (``0 <= s < num_slices``)."""
+        group = self.slice_set.group(s)  # checks s as contract(slices=s) does
+        if len(group) != 1:
+            raise TypeError(f"slice_indices takes one slice id, got {s!r}")
+        return self.slice_set.indices(group[0])
 
     # -- cost -----------------------------------------------------------------------------
     def estimated_seconds(self, gradients: bool = True) -> float:

@@ -531,8 +531,11 @@ class Slices:
         """A slice group, checked: a range (None and ranges; O(1)) or a tuple of ids."""
         if slices is None:
             return range(self.count)
-        if isinstance(slices, int) and not isinstance(slices, bool):
-            slices = (slices,)
+        if as_int(slices) is not None:  # an int, a numpy integer, a 0-dim integer tensor
+            slices = (as_int(slices),)
+        elif hasattr(slices, "tolist") and not isinstance(slices, (list, tuple, range)):
+            slices = slices.tolist()  # a numpy array or tensor of ids
+            slices = [slices] if not isinstance(slices, list) else slices
         if isinstance(slices, range):
             if not slices:
                 return slices
@@ -589,7 +592,9 @@ class Slices:
         if len(group) == 0:
             return
         if len(group) <= max_rows:
-            key = group if isinstance(group, range) else None
+            # not under torch.compile: a recompile can make the group's bounds symbolic
+            # (Dynamo's automatic dynamic ints), which cannot be looked up in a dict
+            key = group if isinstance(group, range) and not torch.compiler.is_compiling() else None
             if key is not None and key in self._tables:
                 yield self._tables[key]
                 return
