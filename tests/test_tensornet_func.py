@@ -155,6 +155,30 @@ def test_torch_compile_fullgraph_traces_every_transform(transform, case):
     torch.testing.assert_close(got, COMPILED_TRANSFORMS[transform](ref, ops[1:])(x))
 
 
+@pytest.mark.parametrize("memory_limit", [None, 16])
+def test_reverse_over_forward_eager_and_compiled(memory_limit):
+    """Plain autograd over a torch.func.jvp tangent: compiled, the tangent came from the
+    executor op traced without its autograd ("derivative for torch_gradops::contract_program
+    is not implemented"); with grad mode on such a compiled forward mode runs as einsum steps."""
+    gen = torch.Generator().manual_seed(9)
+    a, b, c, t = (torch.randn(s, generator=gen, dtype=F64) for s in ((3, 4), (4, 5), (5, 3), (3, 4)))
+
+    def loss_of(f):
+        def loss(x):
+            out, tan = jvp(f, (x,), (t,))
+            return (out * tan).sum() + tan.square().sum()
+        return loss
+
+    ours = loss_of(lambda x: tn.contract("ij,jk,ki->i", x, b, c, memory_limit=memory_limit))
+    ref = loss_of(lambda x: torch.einsum("ij,jk,ki->i", x, b, c))
+    x = a.clone().requires_grad_(True)
+    want = torch.autograd.grad(ref(x), x)[0]
+    torch.testing.assert_close(torch.autograd.grad(ours(x), x)[0], want)
+    torch._dynamo.reset()
+    torch.testing.assert_close(torch.autograd.grad(torch.compile(ours, fullgraph=True)(x), x)[0], want)
+    torch._dynamo.reset()
+
+
 def test_compile_after_another_compiled_contraction():
     """A sliced contraction not planned yet, compiled (default, not fullgraph) after another
     compiled contraction in the process: Dynamo's recompile of the shared frames made the

@@ -74,7 +74,13 @@ def route(tensors: Sequence[Optional[torch.Tensor]], vmap_traceable: bool = True
     whether Dynamo can trace the first-order Function under ``vmap`` (a generated vmap rule
     over ops with registered batching rules: the GAT ops; not the contraction's custom rule).
     ``reverse_over_forward``: whether the Function's ``jvp`` may run under an enclosing
-    reverse-mode transform (``jacrev(jacfwd(f))``); if not, that case is composite too."""
+    reverse-mode transform (``jacrev(jacfwd(f))``); if not, that case is composite too.
+    Compiled forward mode (:data:`FUSED_JVP`) only where no reverse pass can follow: its
+    tangent comes from ops that Dynamo traces without their autograd (the gradients of a tangent
+    came out zero, or "derivative ... not implemented"), so with an input that requires grad
+    (dual tensors), or with grad mode on under ``torch.func.jvp``/``jacfwd`` (whose wrapped
+    inputs do not show ``requires_grad`` here), it is composite; under ``torch.no_grad()`` it
+    stays fused."""
     from torch._C._functorch import TransformType
     keys = transform_keys()
     jvps = sum(1 for k in keys if k == TransformType.Jvp)
@@ -87,9 +93,11 @@ def route(tensors: Sequence[Optional[torch.Tensor]], vmap_traceable: bool = True
     grads = sum(1 for k in keys if k == TransformType.Grad)
     vmaps = sum(1 for k in keys if k == TransformType.Vmap)
     if jvps == 0 and not keys and forward_ad._current_level >= 0 and any(map(has_tangent, tensors)):
-        return FUSED_JVP  # dual tensors of a plain forward_ad.dual_level()
+        # dual tensors of a plain forward_ad.dual_level()
+        wants_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+        return COMPOSITE if wants_grad else FUSED_JVP
     if jvps == 1 and keys[0] == TransformType.Jvp and grads == 0 and (vmap_traceable or vmaps == 0):
-        return FUSED_JVP
+        return COMPOSITE if torch.is_grad_enabled() else FUSED_JVP
     if jvps == 0 and grads == 0 and (vmaps == 0 or vmap_traceable):
         return FUNCTION
     return COMPOSITE

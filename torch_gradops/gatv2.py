@@ -23,7 +23,7 @@ from typing import List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
-from ._transforms import COMPOSITE, FUSED_JVP, is_transformed, join_dual, route, split_duals
+from ._transforms import COMPOSITE, FUSED_JVP, has_tangent, is_transformed, join_dual, route, split_duals
 from ._edge_chunks import EdgeChunks, EdgeMap, EdgeMapSpec, chunk_size, node_ranges
 from ._segments import gather_rows, index_add_rows, plain_tensor, sum_sorted_rows
 from .gat import (_attend_composite, _composite_edges, _cugraph_inputs, _dropout_mask, _edge_aggregate, _edge_dot,
@@ -461,6 +461,11 @@ def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, n
             ts = ts + (t_att * lr).sum(-1)
         ts_parts.append(ts)
     alpha = torch.cat(alpha_parts) if alpha_parts else lse.new_zeros((0, heads))
+    if alpha.numel():
+        # renormalised (a no-op in value: lse only shifts the exponent), so that alpha is a
+        # differentiable softmax of the scores: the saved lse is a constant to autograd, and a
+        # tangent differentiated again (reverse over forward) needs the normaliser's derivative
+        alpha = alpha / gather_rows(sum_sorted_rows(alpha, indptr, dst), dst)
     ts = torch.cat(ts_parts) if ts_parts else alpha
     t_alpha = alpha * (ts - gather_rows(sum_sorted_rows(alpha * ts, indptr, dst), dst))
     if keep is not None:
@@ -597,8 +602,10 @@ def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope:
         _prepare_graph(graph, reverse=False, inverse=bool(return_attention))
         out, alpha = _gatv2_composite(*diff, graph, mask, float(negative_slope), scale)
         return (out, graph.original_order(alpha)) if return_attention else out
+    # An input with a forward-mode tangent may have its tangent's graph differentiated later
+    # (autograd over jvp), so it gets the reverse index too, as in gat_attention.
     want_reverse = torch.is_grad_enabled() and (
-        compiling or any(t is not None and t.requires_grad for t in diff))
+        compiling or any(t is not None and (t.requires_grad or has_tangent(t)) for t in diff))
     rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
     rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)
     tail = (graph.indptr, graph.indices, *rev_tensors, mask, float(negative_slope), float(scale),
