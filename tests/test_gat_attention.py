@@ -1,6 +1,7 @@
 """The fused GAT op against the plain-PyTorch reference: values, gradients, autograd, errors."""
 import math
 
+import numpy as np
 import pytest
 import torch
 from torch.autograd import forward_ad
@@ -639,6 +640,33 @@ def test_cugraph_compat_errors_name_the_argument():
         with pytest.raises(ValueError, match="edge_feat must have shape"):
             fn(feat, torch.randn(att.numel() * 3 // 2 if fn is tg.mha_gat_n2n else 6), g, num_heads=2,
                edge_feat=torch.randn(5, 6))  # was reported as "edge_logits must have shape"
+        # numpy integers are ints; mixed dtypes were promoted silently by mha_gat_n2n
+        assert fn(feat, att, g, num_heads=np.int64(2)).shape == fn(feat, att, g, num_heads=2).shape
+        with pytest.raises(TypeError, match=r"the destination features \(torch.float64\) must have feat's dtype"):
+            fn((feat, feat[:2].double()), att, g, num_heads=2)
+        with pytest.raises(TypeError, match=r"edge_feat \(torch.float64\) must have feat's dtype"):
+            fn(feat, torch.randn(att.numel() * 3 // 2 if fn is tg.mha_gat_n2n else 6), g, num_heads=2,
+               edge_feat=torch.randn(2, 6, dtype=torch.float64))
+
+
+def test_graph_counts_and_per_edge_rows_are_checked():
+    """``BipartiteCSC``: a count that is not an int (1.7 became 1, None a raw int() error) and
+    per-edge tensors with the wrong number of rows (``original_order`` silently returned the
+    edges' rows, ``edge_order`` a bare IndexError) are errors naming the argument."""
+    ei = torch.tensor([[0, 1, 2], [2, 0, 1]])
+    g = tg.BipartiteCSC.from_edge_index(ei, 3, 3)
+    for bad in (1.7, 3.0, None, True):
+        with pytest.raises(TypeError, match="num_src must be an int"):
+            tg.BipartiteCSC.from_csc(g.indptr, g.indices, bad)
+    with pytest.raises(TypeError, match="num_dst must be an int"):
+        tg.BipartiteCSC.from_edge_index(ei, 3, 2.5)
+    assert tg.BipartiteCSC.from_csc(g.indptr, g.indices, np.int64(3)).num_src == 3
+    with pytest.raises(ValueError, match=r"original_order: values must have one row per edge \(num_edges = 3\)"):
+        g.original_order(torch.randn(5, 2))
+    with pytest.raises(ValueError, match=r"edge_order: values must have one row per edge \(num_input_edges = 3\)"):
+        g.edge_order(torch.randn(2, 2))
+    x = torch.randn(3, 2)
+    torch.testing.assert_close(g.original_order(g.edge_order(x)), x)
 
 
 def test_bad_op_inputs_raise_clear_errors():

@@ -21,6 +21,7 @@ custom ``jvp``) and reverse-mode torch.func transforms inside ``torch.compile``.
 """
 from __future__ import annotations
 
+import operator
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -820,8 +821,13 @@ def _cugraph_inputs(feat, attn_weights, graph: BipartiteCSC, num_heads: int, act
     :func:`~torch_gradops.gatv2.mha_gat_v2_n2n`): ``(feat_src [n_src, H*C], feat_dst [n_dst,
     H*C], edge_feat [E, H*C] or None, negative_slope)``, the slope 1 for a linear activation.
     ``attn_weights``' shape is each function's own; its type and dtype are checked here."""
-    if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
+    try:  # ints, numpy integers, 0-dim integer tensors
+        heads = None if isinstance(num_heads, bool) else operator.index(num_heads)
+    except TypeError:
+        heads = None
+    if heads is None or heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
+    num_heads = heads
     if isinstance(feat, (tuple, list)):
         if len(feat) != 2:
             raise ValueError(f"feat must be a tensor or a (feat_src, feat_dst) pair, got {len(feat)} tensors")
@@ -842,6 +848,9 @@ def _cugraph_inputs(feat, attn_weights, graph: BipartiteCSC, num_heads: int, act
         raise TypeError(f"attn_weights must be a torch.Tensor, got {type(attn_weights).__name__}")
     if attn_weights.dtype != feat_src.dtype:
         raise TypeError(f"attn_weights ({attn_weights.dtype}) must have feat's dtype ({feat_src.dtype})")
+    for name, t in (("the destination features", feat_dst), ("edge_feat", edge_feat)):
+        if t is not None and t.dtype != feat_src.dtype:  # (they were promoted silently)
+            raise TypeError(f"{name} ({t.dtype}) must have feat's dtype ({feat_src.dtype})")
     if activation in (None, "Linear", "linear", "Identity"):
         negative_slope = 1.0
     elif activation != "LeakyReLU":

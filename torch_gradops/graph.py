@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import contextlib
-
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -20,6 +20,19 @@ def _check_index_tensor(t, name, any_integer: bool = False):
             raise TypeError(f"{name} must hold integer node ids, got {t.dtype}")
     elif t.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
+
+
+def _count(n, name: str) -> int:
+    """``n`` as a count (an int, numpy integer or 0-dim integer tensor, >= 0), or an error naming ``name``."""
+    if isinstance(n, bool) or n is None:
+        raise TypeError(f"{name} must be an int, got {n!r}")
+    try:
+        value = operator.index(n)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {n!r} ({type(n).__name__})") from None
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 def csc_destinations(indptr: torch.Tensor, num_edges: int) -> torch.Tensor:
@@ -108,16 +121,14 @@ class BipartiteCSC:
             raise TypeError(f"indices ({indices.dtype}) and indptr ({indptr.dtype}) must share one dtype")
         if indices.device != indptr.device:
             raise ValueError(f"indices ({indices.device}) and indptr ({indptr.device}) must be on one device")
-        num_src = int(num_src)
-        if num_src < 0:
-            raise ValueError(f"num_src must be >= 0, got {num_src}")
+        num_src = _count(num_src, "num_src")
         if perm is not None:
             _check_index_tensor(perm, "perm")
             if perm.shape != indices.shape or perm.device != indices.device:
                 raise ValueError("perm must have the shape and device of indices")
             perm = perm.to(indices.dtype)
         E = indices.numel()
-        num_input_edges = E if num_input_edges is None else int(num_input_edges)
+        num_input_edges = E if num_input_edges is None else _count(num_input_edges, "num_input_edges")
         if num_input_edges != E and (perm is None or num_input_edges < E):
             raise ValueError(f"num_input_edges ({num_input_edges}) must equal the number of edges ({E}), "
                              "or exceed it with a perm naming which original edges the graph holds")
@@ -241,6 +252,7 @@ class BipartiteCSC:
         """Reorder a per-edge tensor from the original edge order (``[num_input_edges, ...]``) to
         CSC order (``[E, ...]``), differentiably (the gradient is reordered back by a gather, see
         ``_EdgePermutation``)."""
+        self._check_rows(values, self.num_input_edges, "edge_order", "num_input_edges")
         if self.perm is None:
             return values
         if not values.requires_grad or torch.compiler.is_compiling():
@@ -252,11 +264,18 @@ class BipartiteCSC:
     def original_order(self, values: torch.Tensor) -> torch.Tensor:
         """Reorder a per-edge tensor from CSC order back to the original edge order (zeros for
         the original edges the graph leaves out, see ``num_input_edges``)."""
+        self._check_rows(values, self.num_edges, "original_order", "num_edges")
         if self.perm is None:
             return values
         if self.num_input_edges != self.num_edges:
             values = _append_zero_row(values)
         return values.index_select(0, self._inverse_perm())
+
+    @staticmethod
+    def _check_rows(values, rows: int, method: str, what: str) -> None:
+        if not isinstance(values, torch.Tensor) or values.dim() < 1 or values.size(0) != rows:
+            got = tuple(values.shape) if isinstance(values, torch.Tensor) else type(values).__name__
+            raise ValueError(f"{method}: values must have one row per edge ({what} = {rows}), got {got}")
 
     def _inverse_perm(self) -> torch.Tensor:
         """``[num_input_edges]`` CSC position of each original edge (``perm``'s inverse; ``E``
@@ -366,9 +385,7 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
         loops ``(i, i)``; None when CSC order is that order.
     """
     static = torch.compiler.is_compiling() if static_shapes is None else bool(static_shapes)
-    num_src, num_dst = int(num_src), int(num_dst)
-    if num_src < 0 or num_dst < 0:
-        raise ValueError(f"num_src and num_dst must be >= 0, got {num_src} and {num_dst}")
+    num_src, num_dst = _count(num_src, "num_src"), _count(num_dst, "num_dst")
     _check_index_tensor(src, "src", any_integer=True)
     _check_index_tensor(dst, "dst", any_integer=True)
     if src.dim() != 1 or dst.dim() != 1 or src.numel() != dst.numel():
