@@ -271,7 +271,11 @@ def test_ranks_with_the_same_operands_from_different_summation_orders_agree():
     assert same_fingerprint(fingerprints([torch.full((3,), float("nan"))])[0],
                              fingerprints([torch.full((3,), float("nan"))])[0])
     assert not same_fingerprint(fingerprints([x])[0], fingerprints([x.double()])[0])
+    z = torch.randn(12, 12, dtype=torch.complex64)  # a conjugate view: view_as_real refused it
+    assert same_fingerprint(fingerprints([z.conj()])[0], fingerprints([z.conj().resolve_conj()])[0])
+    assert not same_fingerprint(fingerprints([z.conj()])[0], fingerprints([z])[0])
     small = torch.randn(2, 2, 2, dtype=torch.complex64)  # compared element by element
+    assert same_fingerprint(fingerprints([small.conj()])[0], fingerprints([small.conj().resolve_conj()])[0])
     assert same_fingerprint(fingerprints([small])[0], fingerprints([small.clone()])[0])
     assert not same_fingerprint(fingerprints([small])[0], fingerprints([small * (1 + 1e-7)])[0])
 

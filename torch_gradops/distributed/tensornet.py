@@ -91,7 +91,7 @@ def fingerprints(values: Sequence[Any]) -> List[Tuple]:
             if not isinstance(t, torch.Tensor):
                 out.append(("value", repr(t)))
                 continue
-            x = t.detach()
+            x = t.detach().resolve_conj()  # (view_as_real refuses a conjugate view)
             out.append((tuple(x.shape), str(x.dtype)))
             if x.numel() == 0:
                 continue

@@ -566,7 +566,9 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     cache_key = (tuple(forced), min_slices, dtype.is_complex, max_overhead, reserve)
     found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
                             objective=score_tree, path_cache=path_cache, select=select_tree,
-                            path_work=slicing_.work, cache_key=cache_key)
+                            path_work=slicing_.work,
+                            path_exact_work=lambda path: slicing_.finalize(path, (), itemsize)[-1],
+                            cache_key=cache_key)
     path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
     unsplit = network  # for the error below (the split network renumbers modes)
     network, sliced, checkpoints, copies = _split_plan_network(network, path, sliced, splits, slicing_.cap,
