@@ -1986,6 +1986,12 @@ def test_slice_ids_of_any_integer_kind_and_checked_slice_indices():
             p.slice_indices(bad)
     with pytest.raises(TypeError, match="slice_indices takes one slice id"):
         p.slice_indices([0, 1])
+    # an id listed twice counts twice (documented), in the value and in the gradients
+    _close(p.contract(a, b, c, slices=[1, 1]), 2 * p.contract(a, b, c, slices=1))
+    leaves = [t.clone().requires_grad_(True) for t in (a, b, c)]
+    twice = torch.autograd.grad(p.contract(*leaves, slices=[1, 1]), leaves)
+    for g, once in zip(twice, torch.autograd.grad(p.contract(*leaves, slices=1), leaves)):
+        _close(g, 2 * once)
 
 
 def test_meta_operands_and_the_first_arguments_error():
@@ -2566,12 +2572,17 @@ def test_slicing_takes_a_plans_sliced_modes_back():
         _close(g, r)
     a, b = torch.randn(4, 6, dtype=F64), torch.randn(6, 5, dtype=F64)
     _close(tn.contract("ab,bc->ac", a, b, slicing=[tn.ModeChunks("b", 3)]), a @ b)
-    for bad, match in (([tn.ModeChunks("b", 4)], "cannot be sliced in 4 ranges: its mode has extent 6"),
+    for bad, match in (([tn.ModeChunks("b", 4)], r"cannot be sliced in 4 ranges: its mode has extent 6; pass a "
+                                                 r"divisor of 6 between 2 and 5 \(2, 3\), or 'b'"),
                        ([tn.ModeChunks("a", 2)], "is an output mode"),
                        ([tn.ModeChunks("b", 2), "b"], "listed twice"),
                        ([tn.ModeChunks("z", 2)], "not a mode of the expression")):
         with pytest.raises(ValueError, match=match):
             tn.plan("ab,bc->ac", a, b, slicing=bad)
+    # a prime extent has no divisor to suggest (the message offered "a divisor of 5 between 2 and 4")
+    with pytest.raises(ValueError, match="5 has no divisor between 2 and 4: pass 'b' to slice it whole"):
+        tn.plan("ab,bc->ac", torch.randn(4, 5, dtype=F64), torch.randn(5, 3, dtype=F64),
+                slicing=[tn.ModeChunks("b", 5)])
 
 
 def test_slice_ids_and_dtype_arguments_are_checked_by_kind():

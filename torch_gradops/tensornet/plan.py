@@ -330,8 +330,10 @@ def _forced_modes(slicing, network: parser.Network):
             if m in network.output or not 1 < lab.chunks < e or e % lab.chunks:
                 raise ValueError(f"slicing: {lab!r} cannot be sliced in {lab.chunks} ranges: its mode has extent {e}"
                                  + (" and is an output mode" if m in network.output else "")
-                                 + f"; pass a divisor of {e} between 2 and {e - 1}, or {lab.label!r} to slice it "
-                                   f"whole")
+                                 + (f"; pass a divisor of {e} between 2 and {e - 1} ({', '.join(map(str, divs))}), or "
+                                    if (divs := [d for d in range(2, e) if e % d == 0]) else
+                                    f"; {e} has no divisor between 2 and {e - 1}: pass ")
+                                 + f"{lab.label!r} to slice it whole")
             if m in chunked or m in forced:
                 raise ValueError(f"slicing: mode {lab.label!r} is listed twice")
             chunked[m] = lab.chunks
