@@ -21,7 +21,6 @@ custom ``jvp``) and reverse-mode torch.func transforms inside ``torch.compile``.
 """
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 
 from ._transforms import COMPOSITE, FUSED_JVP, has_tangent, join_dual, route, split_duals
 from .library import check_backend, ops
-from .graph import BipartiteCSC, csc_destinations
+from .graph import BipartiteCSC, as_index, csc_destinations
 
 __all__ = ["gat_attention", "GATAttentionFunction", "mha_gat_n2n", "edge_aggregate", "edge_dot"]
 
@@ -821,10 +820,7 @@ def _cugraph_inputs(feat, attn_weights, graph: BipartiteCSC, num_heads: int, act
     :func:`~torch_gradops.gatv2.mha_gat_v2_n2n`): ``(feat_src [n_src, H*C], feat_dst [n_dst,
     H*C], edge_feat [E, H*C] or None, negative_slope)``, the slope 1 for a linear activation.
     ``attn_weights``' shape is each function's own; its type and dtype are checked here."""
-    try:  # ints, numpy integers, 0-dim integer tensors
-        heads = None if isinstance(num_heads, bool) else operator.index(num_heads)
-    except TypeError:
-        heads = None
+    heads = as_index(num_heads)  # ints, numpy integers, 0-dim integer tensors
     if heads is None or heads < 1:
         raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
     num_heads = heads

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["BipartiteCSC", "csc_from_edges", "check_edge_range", "csc_destinations"]
+__all__ = ["BipartiteCSC", "csc_from_edges", "check_edge_range", "csc_destinations", "as_index"]
 
 
 def _check_index_tensor(t, name, any_integer: bool = False):
@@ -22,14 +22,23 @@ def _check_index_tensor(t, name, any_integer: bool = False):
         raise TypeError(f"{name} must be an int32 or int64 tensor, got {t.dtype}")
 
 
-def _count(n, name: str) -> int:
-    """``n`` as a count (an int, numpy integer or 0-dim integer tensor, >= 0), or an error naming ``name``."""
-    if isinstance(n, bool) or n is None:
-        raise TypeError(f"{name} must be an int, got {n!r}")
+def as_index(n) -> Optional[int]:
+    """``n`` as an int when it is one (an int, a numpy integer, a 0-dim integer tensor), else
+    None (bools, floats, None and anything else)."""
+    if isinstance(n, bool):
+        return None
     try:
-        value = operator.index(n)
+        return operator.index(n)
     except TypeError:
-        raise TypeError(f"{name} must be an int, got {n!r} ({type(n).__name__})") from None
+        return None
+
+
+def _count(n, name: str) -> int:
+    """``n`` as a count (see :func:`as_index`, >= 0), or an error naming ``name``."""
+    value = as_index(n)
+    if value is None:
+        raise TypeError(f"{name} must be an int, got {n!r}" + ("" if n is None or isinstance(n, bool)
+                                                             else f" ({type(n).__name__})"))
     if value < 0:
         raise ValueError(f"{name} must be >= 0, got {value}")
     return value

@@ -79,13 +79,14 @@ def _rank_slices(plan, group) -> range:
 
 def fingerprints(values: Sequence[Any]) -> List[Tuple]:
     """A few numbers per tensor that tell tensors apart, cheap next to a contraction (three
-    reductions over a large tensor, one transfer to the host per device and dtype): shape, dtype, the float64 sum, the sums of
-    absolute values and of squares, and :data:`FINGERPRINT_SAMPLES` evenly spaced elements, or
-    every element of a tensor of at most :data:`FINGERPRINT_WHOLE` (complex tensors as their real
-    and imaginary parts). Anything but a tensor: its ``repr``. Compared with :func:`same_fingerprint`."""
+    reductions over a large tensor, one transfer to the host per device and dtype): shape,
+    dtype, the float64 sum, the sums of absolute values and of squares, and
+    :data:`FINGERPRINT_SAMPLES` evenly spaced elements, or every element of a tensor of at most
+    :data:`FINGERPRINT_WHOLE` (complex tensors as their real and imaginary parts). Anything but
+    a tensor: its ``repr``. Compared with :func:`same_fingerprint`."""
     out: List[Any] = []
     small = {}    # (device, dtype) -> [(position in out, tensor)]: sent whole, one transfer per group
-    summary = {}  # device -> [(position in out, count, numbers on the device)]
+    summary = {}  # device -> [(position in out, numbers on the device)]
     with torch.no_grad():
         for t in values:
             if not isinstance(t, torch.Tensor):
@@ -108,16 +109,18 @@ def fingerprints(values: Sequence[Any]) -> List[Tuple]:
                                               torch.linalg.vector_norm(x, 1, dtype=torch.float64),
                                               torch.linalg.vector_norm(x, 2, dtype=torch.float64)]),
                                  x[picks].to(torch.float64)])
-            summary.setdefault(x.device, []).append((len(out) - 1, numbers.numel(), numbers))
-        batches = [(items, torch.cat([n for _, _, n in items])) for items in summary.values()]
+            summary.setdefault(x.device, []).append((len(out) - 1, numbers))
+        # (positions in out with their counts of numbers, the numbers on one device)
+        batches = [([(pos, n.numel()) for pos, n in items], torch.cat([n for _, n in items]))
+                   for items in summary.values()]
         for items in small.values():
             flat = torch.cat([x for _, x in items])
             flat = torch.view_as_real(flat).reshape(-1) if flat.is_complex() else flat
             width = 2 if items[0][1].is_complex() else 1
-            batches.append(([(pos, x.numel() * width, None) for pos, x in items], flat.to(torch.float64)))
-        for items, flat in batches:
+            batches.append(([(pos, x.numel() * width) for pos, x in items], flat.to(torch.float64)))
+        for counts, flat in batches:
             flat, offset = flat.tolist(), 0
-            for position, count, _ in items:
+            for position, count in counts:
                 out[position] += tuple(flat[offset:offset + count])
                 offset += count
     return out

@@ -199,15 +199,15 @@ class ContractFunction(torch.autograd.Function):
     def jvp(ctx, _plan_t, _slices_t, _mode_t, *tangents):
         operands = ctx.saved_tensors
         if any(is_legacy_batched(t) for t in tangents):
-            return (_composite_tangent(ctx.plan, list(operands), tangents, ctx.slices),) + (None,) * ctx.n_extra
-        total = None
-        for i, t in enumerate(tangents):
-            if t is None:
-                continue
-            args = list(operands)
-            args[i] = t.to(operands[i].dtype)
-            part, = ContractFunction.apply(ctx.plan, ctx.slices, PLAIN, *args)
-            total = part if total is None else total + part
+            # legacy vmap (jacobian(strategy="forward-mode", vectorize=True), gradcheck's batched
+            # forward-gradient check): neither the executor's ops nor einsum (both take tensor
+            # lists) run on its tensors; matmul steps along the plan's path (unsliced) do
+            group = ctx.plan.slice_set.group(ctx.slices)
+            total = _tangent_sum(operands, tangents,
+                                 lambda args: _composite(ctx.plan, args, group, einsum=_matmul_einsum))
+        else:
+            total = _tangent_sum(operands, tangents,
+                                 lambda args: ContractFunction.apply(ctx.plan, ctx.slices, PLAIN, *args)[0])
         return (total,) + (None,) * ctx.n_extra
 
 
@@ -278,18 +278,14 @@ def _composite_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[to
         return grads
 
 
-def _composite_tangent(plan, eff, tangents, slices) -> torch.Tensor:
-    """The output's tangent under legacy-batched tangents (``jacobian(strategy="forward-mode",
-    vectorize=True)``, gradcheck's batched forward-gradient check): the sum over operands of the
-    network with that operand replaced by its tangent, as :meth:`ContractFunction.jvp`, but
-    contracted by :func:`_composite` (unsliced) in matmul steps (:func:`_matmul_einsum`):
-    neither the executor's ops nor einsum (both take tensor lists) run on that vmap's
-    tensors."""
-    group = plan.slice_set.group(slices)
+def _tangent_sum(primals, tangents, contract) -> Optional[torch.Tensor]:
+    """The tangent of a multilinear network: the sum over operands with a tangent of
+    ``contract(args)``, ``args`` the primals with that operand replaced by its tangent (None
+    when no operand has one)."""
     total = None
     for i, t in enumerate(tangents):
         if t is not None:
-            part = _composite(plan, eff[:i] + [t.to(eff[i].dtype)] + eff[i + 1:], group, einsum=_matmul_einsum)
+            part = contract(list(primals[:i]) + [t.to(primals[i].dtype)] + list(primals[i + 1:]))
             total = part if total is None else total + part
     return total
 
@@ -393,11 +389,7 @@ def contract_prepared(plan, eff, slices, progress: bool, dtype: Optional[torch.d
         return _composite(plan, eff, group)
     if how == FUSED_JVP:  # compiled forward mode: the tangent is a sum of contractions
         primals, tangents = split_duals(eff)
-        tangent = None
-        for i, t in enumerate(tangents):
-            if t is not None:
-                part = _traced(plan, primals[:i] + [t.to(primals[i].dtype)] + primals[i + 1:], group)
-                tangent = part if tangent is None else tangent + part
+        tangent = _tangent_sum(primals, tangents, lambda args: _traced(plan, args, group))
         return join_dual(_traced(plan, primals, group), tangent)
     grad = _needs_function(eff)
     if progress and len(group) > 1:

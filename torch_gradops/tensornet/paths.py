@@ -373,7 +373,7 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
             # a cotengra optimizer object keeps its best tree: reused, it returns the first network's
             raise ValueError("optimize: the cotengra optimizer returned a tree of another network (an optimizer "
                              "object that already searched keeps its tree); pass a new one for each network")
-        value = score(tree) if score is not None and (len(trees) > 1 or candidates) and searched else 0.0
+        value = score(tree) if score is not None and (len(trees) > 1 or candidates) else 0.0
         if best is None or value < best[0]:
             best = (value, tree)
     if not searched:  # the cached choice of an earlier search, as it chose it

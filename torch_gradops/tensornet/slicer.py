@@ -531,8 +531,9 @@ class Slices:
         """A slice group, checked: a range (None and ranges; O(1)) or a tuple of ids."""
         if slices is None:
             return range(self.count)
-        if as_int(slices) is not None:  # an int, a numpy integer, a 0-dim integer tensor
-            slices = (as_int(slices),)
+        one = as_int(slices)  # an int, a numpy integer, a 0-dim integer tensor
+        if one is not None:
+            slices = (one,)
         elif hasattr(slices, "tolist") and not isinstance(slices, (list, tuple, range)):
             slices = slices.tolist()  # a numpy array or tensor of ids
             slices = [slices] if not isinstance(slices, list) else slices
