@@ -1433,11 +1433,17 @@ def test_search_budget_counts_trials_and_follows_the_best_plan():
     Trials, not seconds, are counted: the decision is deterministic."""
     from torch_gradops.tensornet import paths
     assert paths.search_budget(36, 1e3)["min_repeats"] < 2  # worth no search: opt_einsum's greedy path
-    b = paths.search_budget(36, 1e12)
+    b = paths.search_budget(36, 1e12, 3e12)  # sliced to a limit
     assert b["min_repeats"] == paths.MIN_TRIALS and b["max_repeats"] == 128
+    b = paths.search_budget(36, 1e12)  # unsliced trials cost less, and fewer are the minimum
+    assert b["min_repeats"] == paths.MIN_UNSLICED_TRIALS < paths.MIN_TRIALS and b["max_repeats"] == 128
     assert not paths.wants_more(36, paths.MIN_TRIALS, 1e9)
     assert paths.wants_more(36, paths.MIN_TRIALS, 1e12)
     assert not paths.wants_more(36, 10**4, 1e15)  # at most MAX_SEARCH_S worth
+    # unsliced trials are cheaper, complex multiply-adds dearer: both are worth more trials
+    assert not paths.wants_more(36, paths.MIN_TRIALS, 4e10)
+    assert paths.wants_more(36, paths.MIN_TRIALS, 4e10, sliced=False)
+    assert paths.wants_more(36, paths.MIN_TRIALS, 4e10, flops_per_mac=8)
     c_in, sizes = _symbolic_lattice()
     calls = []
 
@@ -1958,12 +1964,28 @@ def test_auto_searches_where_the_greedy_plan_runs_costly_after_all():
     inputs, output, arrays = inputs[:-15], [t[0] for t in inputs[-15:]], arrays[:-15]  # |psi>: no <bits|
     args = interleave(inputs, arrays, output)
     tn.clear_plan_cache()
-    greedy = tn.plan(*args, memory_limit=8192, optimize="greedy")
-    auto = tn.plan(*args, memory_limit=8192)
-    assert auto.optimizer == "cotengra" and auto.searched
-    assert auto.estimated_seconds(False) < greedy.estimated_seconds(False) / 4, (auto, greedy)
+    for limit in (4096, 8192, 16384):  # the searches' trees vary: each at least 3x better than greedy's
+        # (at 16 KiB "auto" kept greedy's plan while its budget counted complex multiply-adds as real ones)
+        greedy = tn.plan(*args, memory_limit=limit, optimize="greedy")
+        auto = tn.plan(*args, memory_limit=limit)
+        assert auto.optimizer == "cotengra" and auto.searched, limit
+        assert auto.estimated_seconds(False) < greedy.estimated_seconds(False) / 3, (limit, auto, greedy)
     _close(auto.contract(*arrays), tn.contract(*args), rtol=1e-4, atol=1e-6)
     tn.clear_plan_cache()
+
+
+def test_auto_budget_counts_cheap_unsliced_trials_and_complex_work():
+    """"auto" sized its search with a trial cost measured for sliced, scored trials (5x what an
+    unsliced trial costs) and counted a complex multiply-add as 2 FLOPs (8): it kept opt_einsum's
+    greedy plan of a 6x6 lattice of bond 6 (20x the FLOPs of a 10 ms search's) and of a 6x7
+    lattice of bond 5 in complex64 (9x)."""
+    from torch_gradops.testing import lattice_network
+    for (rows, cols, bond), dtype in (((6, 6, 6), torch.float32), ((6, 7, 5), torch.complex64)):
+        inputs, output, arrays = lattice_network(rows, cols, bond, seed=0, dtype=dtype)
+        args = interleave(inputs, arrays, output)
+        auto = tn.plan(*args)
+        greedy = tn.plan(*args, optimize="greedy")
+        assert auto.optimizer == "cotengra" and auto.flops < greedy.flops / 4, (rows, cols, bond, auto, greedy)
 
 
 def test_slice_ids_of_any_integer_kind_and_checked_slice_indices():

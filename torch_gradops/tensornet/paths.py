@@ -13,7 +13,7 @@ greedy trees, each sliced by cotengra to the memory limit (and, with 16 trials o
 search to 1/4 of it, the two taking batches of trials in turn), scored by :class:`PlanObjective`:
 the executor's forward + backward work of the sliced tree, with the backward's recomputation and
 a charge for any further slicing its memory model needs. The search runs :data:`MIN_TRIALS`
-trials, then more, :data:`BATCH` at a time, while they cost less than :data:`SEARCH_FRACTION` of
+trials (:data:`MIN_UNSLICED_TRIALS` unsliced), then more, :data:`BATCH` at a time, while they cost less than :data:`SEARCH_FRACTION` of
 the best plan's estimated time (:func:`wants_more`; at most :func:`_budget_cap` trials, 128 for
 up to 64 operands), so a contraction of milliseconds is not searched for seconds and one of
 minutes gets the trials its greedy trees' spread calls for. The trials are cheap greedy trees
@@ -60,7 +60,7 @@ __all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 7   # bump when the search, its scoring or the cache's layout changes: old entries are ignored
+_CACHE_VERSION = 8   # bump when the search, its scoring or the cache's layout changes: old entries are ignored
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,11 @@ NOMINAL_FLOP_RATE = 1e11  # FLOP/s assumed by the search budget (a constant: the
 SEARCH_FRACTION = 0.1     # of the estimated forward + backward time, at most MAX_SEARCH_S
 MAX_SEARCH_S = 2.0
 TRIAL_S_PER_OPERAND = 5e-4  # about what one greedy trial, sliced and scored, costs per operand
-MIN_TRIALS = 8            # trials of every search (cotengra's greedy trials vary a lot)
+UNSLICED_TRIAL_S_PER_OPERAND = 1e-4  # the same unsliced (no slicer, no memory model): 50-190 us per
+                                     # operand measured on lattices, PEPS and circuits of 36-150 tensors
+MIN_TRIALS = 8            # trials of every search under a limit (cotengra's greedy trials vary a lot)
+MIN_UNSLICED_TRIALS = 4   # unsliced: the winner's reconfiguration does most of the work (6x6 lattice,
+                          # bond 8, over 5 seeds: trees as good as with 8 trials, 21 ms against 26)
 BATCH = 4                 # further trials are run this many at a time
 RECONF_SUBTREE = 6        # leaves per reconfigured subtree (cotengra's default, 8, costs twice as much; on the
                           # benchmark lattices and circuits it found trees no better)
@@ -108,42 +112,53 @@ def _budget_cap(n_operands: int) -> int:
     return 4 * _max_trials(n_operands)
 
 
-def _trials_worth(n_operands: int, flops: float) -> int:
+def _trials_worth(n_operands: int, flops: float, sliced: bool = True) -> int:
     """Trials worth :data:`SEARCH_FRACTION` of a contraction of ``flops`` (forward + backward,
-    real FLOPs) at :data:`NOMINAL_FLOP_RATE`, at most :data:`MAX_SEARCH_S` seconds."""
+    real FLOPs) at :data:`NOMINAL_FLOP_RATE`, at most :data:`MAX_SEARCH_S` seconds; a trial
+    costs :data:`TRIAL_S_PER_OPERAND` per operand, :data:`UNSLICED_TRIAL_S_PER_OPERAND`
+    without a limit (``sliced=False``)."""
     budget_s = min(MAX_SEARCH_S, SEARCH_FRACTION * flops / NOMINAL_FLOP_RATE)
-    return int(budget_s / (TRIAL_S_PER_OPERAND * n_operands))
+    return int(budget_s / ((TRIAL_S_PER_OPERAND if sliced else UNSLICED_TRIAL_S_PER_OPERAND) * n_operands))
 
 
-def search_budget(n_operands: int, flops: float, sliced_flops: Optional[float] = None) -> dict:
+def search_budget(n_operands: int, flops: float, sliced_flops: Optional[float] = None,
+                  sliced: Optional[bool] = None) -> dict:
     """The hyper-search's budget for a network of ``n_operands`` tensors whose greedy path
-    costs ``flops`` (forward, real FLOPs; opt_einsum's greedy path, an upper bound of what the
-    search finds), or, sliced to a limit, ``sliced_flops`` (forward + backward, recomputation
-    included) where that is more: ``min_repeats`` trials (at most :data:`MIN_TRIALS`, fewer when even that path
-    is worth less search; below 2 no search) and at most ``max_repeats`` (:func:`_budget_cap`).
+    costs ``flops`` (forward, real FLOPs: a complex multiply-add counts 8; opt_einsum's greedy
+    path, an upper bound of what the search finds), or, sliced to a limit, ``sliced_flops``
+    (forward + backward, recomputation included) where that is more: ``min_repeats`` trials (at
+    most :data:`MIN_TRIALS`, :data:`MIN_UNSLICED_TRIALS` unsliced, fewer when even that path is
+    worth less search; below 2 no search) and at most ``max_repeats`` (:func:`_budget_cap`).
+    ``sliced``: whether the search slices (default: whether ``sliced_flops`` is given).
     Between the two, :func:`wants_more` decides from the best plan found so far. Depends only
     on the network: deterministic."""
+    sliced = sliced_flops is not None if sliced is None else sliced
     cap = _budget_cap(n_operands)
-    worth = _trials_worth(n_operands, max(3 * flops, sliced_flops or 0.0))
-    return {"min_repeats": max(0, min(cap, MIN_TRIALS, worth)), "max_repeats": cap}
+    worth = _trials_worth(n_operands, max(3 * flops, sliced_flops or 0.0), sliced)
+    least = MIN_TRIALS if sliced else MIN_UNSLICED_TRIALS
+    return {"min_repeats": max(0, min(cap, least, worth)), "max_repeats": cap}
 
 
-def wants_more(n_operands: int, trials: int, best_macs: float) -> bool:
+def wants_more(n_operands: int, trials: int, best_macs: float, sliced: bool = True,
+               flops_per_mac: float = 2.0) -> bool:
     """Whether a search that ran ``trials`` trials and whose best plan does ``best_macs``
-    multiply-adds (forward + backward, recomputation included) is worth :data:`BATCH` more:
-    while the trials cost less than :data:`SEARCH_FRACTION` of that plan's time at
-    :data:`NOMINAL_FLOP_RATE` (so a contraction of milliseconds is not searched for seconds).
-    Counts trials, not seconds: deterministic."""
-    return trials + BATCH <= _trials_worth(n_operands, 2.0 * best_macs)
+    multiply-adds (forward + backward, recomputation included; ``flops_per_mac`` real FLOPs
+    each, 8 for complex) is worth :data:`BATCH` more: while the trials cost less than
+    :data:`SEARCH_FRACTION` of that plan's time at :data:`NOMINAL_FLOP_RATE` (so a
+    contraction of milliseconds is not searched for seconds). Counts trials, not seconds:
+    deterministic."""
+    return trials + BATCH <= _trials_worth(n_operands, flops_per_mac * best_macs, sliced)
 
 
-def worth_polishing(n_operands: int, best_macs: float, trees: int = 1) -> bool:
+def worth_polishing(n_operands: int, best_macs: float, trees: int = 1, flops_per_mac: float = 2.0) -> bool:
     """Whether the search's winner, whose plan does ``best_macs`` multiply-adds (forward +
-    backward, recomputation included), is worth cotengra's subtree reconfiguration of ``trees``
-    trees (:func:`_reconfigured`, about :data:`RECONF_S_PER_OPERAND` per operand each): when that
-    costs at most :data:`POLISH_FRACTION` of the plan's time at :data:`NOMINAL_FLOP_RATE`.
-    Counts operands, not seconds: deterministic."""
-    return RECONF_S_PER_OPERAND * n_operands * trees <= POLISH_FRACTION * 2.0 * best_macs / NOMINAL_FLOP_RATE
+    backward, recomputation included; ``flops_per_mac`` real FLOPs each), is worth cotengra's
+    subtree reconfiguration of ``trees`` trees (:func:`_reconfigured`, about
+    :data:`RECONF_S_PER_OPERAND` per operand each): when that costs at most
+    :data:`POLISH_FRACTION` of the plan's time at :data:`NOMINAL_FLOP_RATE`. Counts operands,
+    not seconds: deterministic."""
+    return (RECONF_S_PER_OPERAND * n_operands * trees
+            <= POLISH_FRACTION * flops_per_mac * best_macs / NOMINAL_FLOP_RATE)
 
 
 def check_cotengra(hyper_optimizer=None) -> None:
@@ -477,15 +492,15 @@ def _empty_network_path(inputs, output, sizes) -> PathResult:
     return PathResult(_greedy_path(inputs, output, sizes), None, "greedy", True, time.perf_counter() - t0)
 
 
-def _greedy_flops(inputs, output, sizes, path) -> float:
+def _greedy_flops(inputs, output, sizes, path, flops_per_mac: float = 2.0) -> float:
     from .slicer import step_costs, step_table
-    return 2.0 * step_costs(step_table(inputs, output, path), sizes, ()).flops()
+    return flops_per_mac * step_costs(step_table(inputs, output, path), sizes, ()).flops()
 
 
 def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_slices: Optional[int],
               objective: Optional[Callable] = None, path_cache=None, select: Optional[Callable] = None,
               path_work: Optional[Callable] = None, path_exact_work: Optional[Callable] = None,
-              cache_key=()) -> PathResult:
+              cache_key=(), flops_per_mac: float = 2.0) -> PathResult:
     """The path for the network ``inputs -> output`` (mode ids, extents ``sizes``).
 
     ``optimize``: "auto" (see the module docstring), "greedy" (opt_einsum's, fast), "optimal",
@@ -496,12 +511,14 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
     of the forward + backward, sliced to the limit), which sizes "auto"'s search budget under a
     limit or ``min_slices`` (a greedy path cheap unsliced can be costly sliced), and
     ``path_exact_work`` the same after any further slicing (what ``select`` scores), asked
-    before "auto" settles for the greedy path; ``path_cache``:
+    before "auto" settles for the greedy path; ``flops_per_mac``: real FLOPs per multiply-add
+    (2; 8 for complex operands), which the search budget's time estimates count; ``path_cache``:
     the on-disk cache's directory (None: ``$TORCH_GRADOPS_PATH_CACHE`` or no disk cache), its
     entries keyed by the search options and ``cache_key`` (what else shapes the objective)."""
     n = len(inputs)
     if n == 1:
         return PathResult([], None, "single", False)
+    slices = limit_elems is not None or bool(min_slices)  # whether the search's trials slice
     if isinstance(optimize, str):
         name = optimize
         budget = None
@@ -512,22 +529,22 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             sliced = None
             if path_work is not None and (limit_elems is not None or min_slices):
                 try:
-                    sliced = 2.0 * path_work(greedy)
+                    sliced = flops_per_mac * path_work(greedy)
                 except ValueError:  # too many slices to plan: the search decides
                     sliced = math.inf
-            flops = _greedy_flops(inputs, output, sizes, greedy)
-            budget = search_budget(n, flops, sliced)
+            flops = _greedy_flops(inputs, output, sizes, greedy, flops_per_mac)
+            budget = search_budget(n, flops, sliced, slices)
             if budget["min_repeats"] < 2 and sliced is not None and path_exact_work is not None:
                 # Before settling for greedy, its plan as it would run: the proxy leaves out the
                 # compiled layout's copies, for which the memory model may slice much further
                 # (a 194-tensor circuit at 4 KiB: 16,384 slices where the proxy had a few
                 # hundred, 19 s estimated, against 0.05 s for the searched plan).
                 try:
-                    exact = 2.0 * path_exact_work(greedy)
+                    exact = flops_per_mac * path_exact_work(greedy)
                 except ValueError:
                     exact = math.inf
                 if exact > sliced:
-                    budget = search_budget(n, flops, exact)
+                    budget = search_budget(n, flops, exact, slices)
             if budget["min_repeats"] < 2:
                 return PathResult(greedy, None, "greedy", True, time.perf_counter() - t0)
             name = "cotengra"
@@ -541,7 +558,8 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             obj = PlanObjective(objective) if objective is not None else "flops"
 
             def more(trials):
-                return isinstance(obj, PlanObjective) and bool(obj.top) and wants_more(n, trials, obj.top[0][0])
+                return (isinstance(obj, PlanObjective) and bool(obj.top)
+                        and wants_more(n, trials, obj.top[0][0], slices, flops_per_mac))
             opts = hyper_options(budget, limit_elems, min_slices, obj, more)
             key = tuple(tuple(sorted((k, repr(v)) for k, v in o.items() if k not in ("minimize", "more")))
                         for o in opts) + (repr(cache_key),)
@@ -549,7 +567,7 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             try:
                 return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
                                         score=select, candidates=obj.top if isinstance(obj, PlanObjective) else (),
-                                        polish=lambda work, trees: worth_polishing(n, work, trees))
+                                        polish=lambda work, trees: worth_polishing(n, work, trees, flops_per_mac))
             finally:
                 _HOPELESS_SIZE.reset(token)
         try:

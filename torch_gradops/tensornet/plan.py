@@ -570,7 +570,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
                             objective=score_tree, path_cache=path_cache, select=select_tree,
                             path_work=slicing_.work,
                             path_exact_work=lambda path: slicing_.finalize(path, (), itemsize)[-1],
-                            cache_key=cache_key)
+                            cache_key=cache_key, flops_per_mac=8.0 if dtype.is_complex else 2.0)
     path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
     unsplit = network  # for the error below (the split network renumbers modes)
     network, sliced, checkpoints, copies = _split_plan_network(network, path, sliced, splits, slicing_.cap,
