@@ -74,6 +74,9 @@ def train(rank: int, world_size: int, epochs: int = 30, batch_size: int = 35, lr
     parameters, the per-step losses and the test accuracy."""
     dev = torch.device(device if device == "cpu" else f"cuda:{rank}")
     data = load_cora(normalize_features=True)
+    if int(data.train_mask.sum()) < world_size:  # a rank with no nodes would train on empty batches (NaN losses)
+        raise ValueError(f"{world_size} ranks but only {int(data.train_mask.sum())} training nodes: every rank "
+                         "needs at least one; run fewer ranks")
     model = make_model(data.num_features, int(data.y.max()) + 1, dropout, seed).to(dev)
     ddp = DistributedDataParallel(model, device_ids=None if dev.type == "cpu" else [dev.index])
     opt = torch.optim.Adam(ddp.parameters(), lr=lr, weight_decay=weight_decay)

@@ -235,8 +235,25 @@ def _tn_mismatched_inputs(rank, world_size, what):
         b = torch.randn(4, 5, dtype=torch.float64)  # another draw: each rank summed part of its own contraction
     if what == "order" and rank == 1:
         b = b.flip(1)  # the same numbers elsewhere: sums agree, the sampled elements do not
+    if what == "swap":  # 200 numbers (sampled: 16), two unsampled ones swapped on rank 1: sums agree
+        a = torch.randn(10, 20, dtype=torch.float64)
+        b = torch.randn(20, 5, dtype=torch.float64)
+        if rank == 1:
+            a = a.flatten()
+            a[[5, 150]] = a[[150, 5]]
+            a = a.view(10, 20)
+    if what == "swapped_output_grad":  # a loss whose weights, 200 numbers, have two swapped on rank 1
+        weights = torch.randn(200, dtype=torch.float64)
+        if rank == 1:
+            weights[[5, 150]] = weights[[150, 5]]
     a.requires_grad_(what != "grad" or rank == 0)
     out = tg.tensornet.contract(expr, a, b, slicing=["b"], process_group=dist.group.WORLD)
+    if what == "swapped_output_grad":  # a 10x20 output: its gradient has more than 64 numbers
+        out = tg.tensornet.contract("ab,bc->ac", torch.randn(10, 4, dtype=torch.float64, requires_grad=True),
+                                    torch.ones(4, 20, dtype=torch.float64), slicing=["b"],
+                                    process_group=dist.group.WORLD)
+        (out.flatten() * weights).sum().backward()
+        return None
     (out * (1 + rank if what == "output_grad" else 1)).sum().backward()
     return a.grad
 
@@ -248,7 +265,11 @@ def _tn_mismatched_inputs(rank, world_size, what):
                                                     r"\[1\] differ from rank 0's \(operand\(s\) \[1\]\)"),
                                          ("order", r"the operand values of rank\(s\) \[1\]"),
                                          ("output_grad", r"ranks backpropagate different output gradients: "
-                                                         r"rank\(s\) \[1\]")])
+                                                         r"rank\(s\) \[1\]"),
+                                         # two unsampled elements swapped: neither sums nor samples saw it
+                                         ("swap", r"the operand values of rank\(s\) \[1\] differ from rank 0's "
+                                                  r"\(operand\(s\) \[0\]\)"),
+                                         ("swapped_output_grad", r"ranks backpropagate different output gradients")])
 def test_ranks_contracting_different_inputs_get_a_clear_error(what, match):
     with pytest.raises(RuntimeError, match=match):
         launch(_tn_mismatched_inputs, 2, what, timeout=TIMEOUT)
@@ -278,6 +299,146 @@ def test_ranks_with_the_same_operands_from_different_summation_orders_agree():
     assert same_fingerprint(fingerprints([small.conj()])[0], fingerprints([small.conj().resolve_conj()])[0])
     assert same_fingerprint(fingerprints([small])[0], fingerprints([small.clone()])[0])
     assert not same_fingerprint(fingerprints([small])[0], fingerprints([small * (1 + 1e-7)])[0])
+
+
+def test_fingerprints_see_elements_moved():
+    """Swapping two elements that are not sampled left every sum the same: ranks whose operands
+    differed so passed the value check and summed parts of different contractions."""
+    from torch_gradops.distributed import fingerprints, same_fingerprint
+
+    gen = torch.Generator().manual_seed(1)
+    for shape in [(200,), (10, 20), (1000, 1000), (7, 13, 3)]:
+        x = torch.randn(shape, dtype=torch.float32, generator=gen)
+        n = x.numel()
+        for i, j in [(5, n // 2 + 3), (1, 2), (n - 2, n - 1), (3, 3 + max(1, int(n ** 0.5)))]:
+            y = x.flatten().clone()
+            y[[i, j]] = y[[j, i]]
+            assert not same_fingerprint(fingerprints([x])[0], fingerprints([y.view(shape)])[0]), (shape, i, j)
+        assert same_fingerprint(fingerprints([x])[0], fingerprints([x.clone()])[0])
+    assert fingerprints([torch.empty(3, 4, device="meta")])[0] == ((3, 4), "torch.float32")
+
+
+def _tn_out_of_step(rank, world_size):
+    import torch.distributed as dist
+
+    import torch_gradops as tg
+
+    torch.manual_seed(0)
+    a = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 5, dtype=torch.float64)
+    for step in range(2):  # a training loop in which only rank 0 calls backward
+        out = tg.tensornet.contract("ab,bc->ac", a, b, slicing=["b"], process_group=dist.group.WORLD)
+        if rank == 0:
+            out.sum().backward()
+
+
+def test_ranks_out_of_step_get_a_clear_error():
+    """Only rank 0 calling backward: rank 1's next forward check met rank 0's backward check
+    and failed with a bare IndexError."""
+    with pytest.raises(RuntimeError, match=r"out of step in distributed contractions: rank\(s\) \[0\] in a backward; "
+                                           r"rank\(s\) \[1\] in a forward"):
+        launch(_tn_out_of_step, 2, timeout=TIMEOUT)
+
+
+def _tn_compiled_and_transforms(rank, world_size):
+    import torch.distributed as dist
+
+    import torch_gradops as tg
+    from torch_gradops.distributed import contract
+
+    torch.manual_seed(0)
+    a = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 5, dtype=torch.float64)
+    tg.tensornet.plan("ab,bc->ac", a, b, slicing=["b"])
+
+    def f(a, b):
+        return torch.sin(contract("ab,bc->ac", a, b, slicing=["b"])).sum()
+    out = torch.compile(f, backend="eager")(a, b)  # a graph break around the shared contraction
+    out.backward()
+    errors = {}
+
+    def g(a, b):
+        return torch.cos(contract("ab,bc->ac", a, b, slicing=["b"])).sum()
+    try:
+        torch.compile(g, backend="eager", fullgraph=True)(a, b)
+    except Exception as e:
+        errors["fullgraph"] = str(e)
+    o = contract("ab,bc->ac", a, b, slicing=["b"])
+    try:
+        torch.autograd.grad(o, a, torch.eye(20, dtype=torch.float64).view(20, 4, 5), is_grads_batched=True)
+    except NotImplementedError as e:
+        errors["batched"] = str(e)
+    import torch.autograd.forward_ad as fwAD
+    with fwAD.dual_level():
+        try:
+            contract("ab,bc->ac", fwAD.make_dual(a.detach(), torch.ones_like(a)), b, slicing=["b"])
+        except NotImplementedError as e:
+            errors["forward"] = str(e)
+    try:
+        contract("ab,bc->ac", a, b, process_group=[0, 1])
+    except TypeError as e:
+        errors["group"] = str(e)
+    meta = contract("ab,bc->ac", a.to("meta"), b.to("meta"), slicing=["b"])
+    return out.item(), a.grad, errors, tuple(meta.shape), meta.device.type
+
+
+def test_distributed_contraction_compiles_with_a_graph_break_and_names_unsupported_uses():
+    """torch.compile over the shared contraction failed inside Dynamo (all_gather_object's
+    process group is a script object it cannot trace); batched gradients and forward mode
+    failed with PyTorch's generic errors; a list as process_group with "unhashable type";
+    meta operands in the value check ("Cannot copy out of meta tensor")."""
+    torch.manual_seed(0)
+    a = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(6, 5, dtype=torch.float64)
+    want = torch.sin(a @ b).sum()
+    want.backward()
+    for value, grad, errors, meta_shape, meta_device in launch(_tn_compiled_and_transforms, 2, timeout=TIMEOUT):
+        assert abs(value - want.item()) < 1e-12 and torch.allclose(grad, a.grad, atol=1e-12)
+        assert "Python collectives" in errors["fullgraph"]
+        assert "batched gradients" in errors["batched"] and "contract locally" in errors["batched"]
+        assert "forward-mode AD" in errors["forward"]
+        assert "process_group must be a torch.distributed ProcessGroup" in errors["group"]
+        assert meta_shape == (4, 5) and meta_device == "meta"
+
+
+def test_process_group_must_be_a_group_even_without_torch_distributed():
+    """Without an initialised process group any process_group ran locally ("bogus" too)."""
+    from torch_gradops.distributed import contract
+    a, b = torch.randn(2, 3), torch.randn(3, 4)
+    with pytest.raises(TypeError, match="process_group must be a torch.distributed ProcessGroup"):
+        contract("ab,bc->ac", a, b, process_group="bogus")
+
+
+def _exit_hard_on_rank_one(rank, world_size):
+    import os
+    import time
+    if rank == 1:
+        os._exit(7)
+    time.sleep(30)
+
+
+def test_launch_names_the_rank_that_died_without_raising():
+    """A rank that died hard (os._exit, a crash, a kill) was not named: the report blamed rank 0,
+    which the launcher itself had stopped."""
+    with pytest.raises(RuntimeError, match=r"rank 1 exited without a result \(exit code 7: killed or crashed\); "
+                                           r"rank\(s\) \[0\] were stopped after it"):
+        launch(_exit_hard_on_rank_one, 2, timeout=TIMEOUT)
+
+
+def test_split_and_rank_slices_refuse_bad_numbers():
+    with pytest.raises(ValueError, match="costs must be finite and >= 0, got nan at position 1"):
+        split_by_cost([1.0, float("nan"), 2.0], 2)
+    with pytest.raises(ValueError, match="costs must be finite"):
+        split_by_cost([1.0, -2.0], 2)
+    with pytest.raises(ValueError, match="num_slices must be >= 0"):
+        rank_slices(-4, 2, 0)
+
+
+def test_example_refuses_more_ranks_than_training_nodes():
+    """With more ranks than Cora's 140 training nodes a rank trained on empty batches (NaN
+    losses) and reported an accuracy."""
+    with pytest.raises(ValueError, match="141 ranks but only 140 training nodes"):
+        _example().train(0, 141, epochs=1)
 
 
 def _tn_group_membership_func_progress(rank, world_size):

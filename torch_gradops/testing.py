@@ -227,17 +227,20 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
         ctx = mp.start_processes(_worker, args=(world_size, free_port(), backend, result_dir, fn, args),
                                  nprocs=world_size, join=False, start_method="spawn")
         deadline = time.monotonic() + timeout
+        exited = None  # (rank, exit code) of a rank that died without raising (a crash, a kill, os._exit)
+        stopped = []   # ranks still running when the run ended, stopped here
         try:
             while not ctx.join(timeout=1.0):
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"distributed run did not finish within {timeout:.0f} s")
         except mp.ProcessRaisedException:
             pass  # the rank's own traceback is in its result file
-        except mp.ProcessExitedException:
-            pass
+        except mp.ProcessExitedException as e:
+            exited = (e.error_index, e.exit_code)
         finally:
-            for p in ctx.processes:
+            for rank, p in enumerate(ctx.processes):
                 if p.is_alive():
+                    stopped.append(rank)
                     p.kill()
                 p.join(5)
         results, failed, missing = [], [], []
@@ -259,7 +262,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
                               for i, (_, rank, err) in enumerate(failed))
             raise RuntimeError(text + (f"\nranks {missing} exited without a result" if missing else ""))
         if missing:
-            raise RuntimeError(f"rank {missing[0]} exited without a result (killed or crashed)")
+            if exited is not None and exited[0] in missing:  # the rank that died first is the cause
+                rank, code = exited
+            else:
+                rank = next((r for r in missing if r not in stopped), missing[0])
+                code = ctx.processes[rank].exitcode
+            why = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            after = [r for r in missing if r != rank]  # stopped by torch's spawn or here
+            raise RuntimeError(f"rank {rank} exited without a result ({why}: killed or crashed)"
+                               + (f"; rank(s) {after} were stopped after it" if after else ""))
         return results
 
 # ---------------------------------------------------------------------------- GAT

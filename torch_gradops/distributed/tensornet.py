@@ -23,6 +23,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from .._transforms import is_legacy_batched
 from ..tensornet import parser, resolve
 from ..tensornet.program import accumulate_dtype
 
@@ -43,6 +44,9 @@ def split_by_cost(costs: Sequence[float], world_size: int) -> List[List[int]]:
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    bad = [i for i, c in enumerate(costs) if not (math.isfinite(float(c)) and float(c) >= 0)]
+    if bad:
+        raise ValueError(f"costs must be finite and >= 0, got {costs[bad[0]]!r} at position {bad[0]}")
     loads = [0.0] * world_size
     groups: List[List[int]] = [[] for _ in range(world_size)]
     for item in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
@@ -69,6 +73,8 @@ def rank_slices(num_slices: int, world_size: int, rank: int) -> range:
     the same). A range, never a list: a plan may have 2^40 slices."""
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+    if num_slices < 0:
+        raise ValueError(f"num_slices must be >= 0, got {num_slices}")
     return range(num_slices * rank // world_size, num_slices * (rank + 1) // world_size)
 
 
@@ -77,13 +83,44 @@ def _rank_slices(plan, group) -> range:
     return rank_slices(plan.num_slices, dist.get_world_size(group), dist.get_rank(group))
 
 
+def _position_weights(k: int, multiplier: int, device) -> torch.Tensor:
+    """``k`` weights in [0, 1), a fixed scramble of the positions (Knuth's multiplicative hash,
+    exact in int64 on every device): neighbouring positions get unrelated weights, so that
+    elements swapped or shifted by a few places change a weighted sum by about their size."""
+    return (torch.arange(k, dtype=torch.int64, device=device) * multiplier % 2 ** 32).to(torch.float64) / 2 ** 32
+
+
+def _weighted_sums(x: torch.Tensor) -> torch.Tensor:
+    """Two position-dependent float64 sums of the flat ``x`` (so that elements moved, say two
+    swapped, change the fingerprint, which plain sums do not see): ``x`` as a ``rows x cols``
+    block (cols about sqrt(numel), the tail after it in a last row), the row sums weighted by
+    :func:`_position_weights` of their row, and the column sums by those of their column: each
+    at most the sum of absolute values, so the same tolerance applies. Two elements in
+    different rows or columns change at least one of them."""
+    n = x.numel()
+    cols = max(1, math.isqrt(n))
+    rows = n // cols
+    main, tail = x[:rows * cols].view(rows, cols), x[rows * cols:]  # the tail: row `rows`
+    row_w = _position_weights(rows + 1, 2654435761, x.device)
+    col_w = _position_weights(cols, 2246822519, x.device)
+    by_row = main.sum(1, dtype=torch.float64) @ row_w[:rows] + tail.sum(dtype=torch.float64) * row_w[rows]
+    by_col = main.sum(0, dtype=torch.float64) @ col_w + tail.to(torch.float64) @ col_w[:tail.numel()]
+    return torch.stack([by_row, by_col])
+
+
 def fingerprints(values: Sequence[Any]) -> List[Tuple]:
-    """A few numbers per tensor that tell tensors apart, cheap next to a contraction (three
+    """A few numbers per tensor that tell tensors apart, cheap next to a contraction (a few
     reductions over a large tensor, one transfer to the host per device and dtype): shape,
-    dtype, the float64 sum, the sums of absolute values and of squares, and
-    :data:`FINGERPRINT_SAMPLES` evenly spaced elements, or every element of a tensor of at most
-    :data:`FINGERPRINT_WHOLE` (complex tensors as their real and imaginary parts). Anything but
-    a tensor: its ``repr``. Compared with :func:`same_fingerprint`."""
+    dtype, the float64 sum, the sums of absolute values and of squares, two position-weighted
+    sums (:func:`_weighted_sums`: elements moved or swapped) and :data:`FINGERPRINT_SAMPLES`
+    evenly spaced elements, or every element of a tensor of at most :data:`FINGERPRINT_WHOLE`
+    (complex tensors as their real and imaginary parts). A meta tensor (no values): its shape
+    and dtype. Anything but a tensor: its ``repr``. Compared with :func:`same_fingerprint`.
+
+    Tensors that differ by less than the sums' tolerance (:data:`FINGERPRINT_RTOL` of the sum
+    of absolute values, which summation order needs) in elements not sampled pass: one element
+    of 10^6 changed by a few 10^-4 of a typical element goes unseen, as does its effect on the
+    result, of the same relative size."""
     out: List[Any] = []
     small = {}    # (device, dtype) -> [(position in out, tensor)]: sent whole, one transfer per group
     summary = {}  # device -> [(position in out, numbers on the device)]
@@ -94,7 +131,7 @@ def fingerprints(values: Sequence[Any]) -> List[Tuple]:
                 continue
             x = t.detach().resolve_conj()  # (view_as_real refuses a conjugate view)
             out.append((tuple(x.shape), str(x.dtype)))
-            if x.numel() == 0:
+            if x.numel() == 0 or x.device.type == "meta":
                 continue
             if x.numel() * (2 if x.is_complex() else 1) <= FINGERPRINT_WHOLE:  # most of a circuit's gates
                 out[-1] += ("elements",)
@@ -108,7 +145,7 @@ def fingerprints(values: Sequence[Any]) -> List[Tuple]:
             numbers = torch.cat([torch.stack([x.sum(dtype=torch.float64),
                                               torch.linalg.vector_norm(x, 1, dtype=torch.float64),
                                               torch.linalg.vector_norm(x, 2, dtype=torch.float64)]),
-                                 x[picks].to(torch.float64)])
+                                 _weighted_sums(x), x[picks].to(torch.float64)])
             summary.setdefault(x.device, []).append((len(out) - 1, numbers))
         # (positions in out with their counts of numbers, the numbers on one device)
         batches = [([(pos, n.numel()) for pos, n in items], torch.cat([n for _, n in items]))
@@ -134,10 +171,10 @@ def same_fingerprint(a: Tuple, b: Tuple) -> bool:
         return a == b
     exact = a[2] == "elements"
     scale = max(abs(a[4]), abs(b[4]), 1e-300) if not exact else 0.0  # the sums of absolute values
-    for k, (u, v) in enumerate(zip(a[3:], b[3:])):
+    for k, (u, v) in enumerate(zip(a[3:], b[3:])):  # sum, abs sum, norm, 2 weighted sums, samples
         if u == v or (math.isnan(u) and math.isnan(v)):
             continue
-        if exact or k >= 3 or not abs(u - v) <= FINGERPRINT_RTOL * (scale if k < 2 else max(abs(u), abs(v))):
+        if exact or k >= 5 or not abs(u - v) <= FINGERPRINT_RTOL * (max(abs(u), abs(v)) if k == 2 else scale):
             return False
     return True
 
@@ -148,11 +185,28 @@ def _differing_ranks(every: List[List[Tuple]]) -> List[int]:
             if len(other) != len(every[0]) or not all(same_fingerprint(u, v) for u, v in zip(other, every[0]))]
 
 
+def _in_step(every: List[Tuple[str, Any]], phase: str) -> List[Any]:
+    """The payloads of a check's ``all_gather_object`` (``(phase, payload)`` per rank), after
+    making sure every rank is in the same check: a rank in a forward's plan check while another
+    is in a backward's gradient check (say, only rank 0 calls ``backward``) would otherwise read
+    the other check's payload."""
+    phases = [e[0] if isinstance(e, tuple) and len(e) == 2 else None for e in every]
+    if any(p != phase for p in phases):
+        where = {p: [r for r, q in enumerate(phases) if q == p] for p in dict.fromkeys(phases)}
+        said = "; ".join(f"rank(s) {r} in a {p}" for p, r in where.items())
+        raise RuntimeError(
+            f"ranks are out of step in distributed contractions: {said}; every rank must run the same "
+            "contractions and backward passes in the same order (call backward on the same loss on every "
+            "rank, not on rank 0 only)")
+    return [e[1] for e in every]
+
+
 def _check_same_output_grad(grad_out: torch.Tensor, group) -> None:
     """Every rank must backpropagate the same output gradient (each rank's slices' gradients
     are summed across ranks, so different ones would mix gradients of different losses)."""
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, fingerprints([grad_out]), group=group)
+    dist.all_gather_object(every, ("backward", fingerprints([grad_out])), group=group)
+    every = _in_step(every, "backward")
     ranks = _differing_ranks(every)
     if ranks:
         raise RuntimeError(
@@ -178,7 +232,8 @@ def _check_same_plan(plan, operands, group) -> None:
     }
     values = fingerprints(operands)
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, (mine, values), group=group)  # all ranks see all plans: all raise together
+    dist.all_gather_object(every, ("forward", (mine, values)), group=group)  # all ranks see all: all raise together
+    every = _in_step(every, "forward")
     every, every_values = [e[0] for e in every], [e[1] for e in every]
     for what in mine:
         if any(other[what] != every[0][what] for other in every):
@@ -243,6 +298,11 @@ class DistributedContractFunction(torch.autograd.Function):
             raise NotImplementedError(
                 "create_graph=True through a distributed contraction is not supported; contract "
                 "locally (no process_group) for higher-order gradients")
+        if is_legacy_batched(grad_out) or torch._C._functorch.is_functorch_wrapped_tensor(grad_out):
+            raise NotImplementedError(
+                "batched gradients (torch.autograd.grad(..., is_grads_batched=True), jacobian(vectorize=True)) "
+                "through a distributed contraction are not supported; contract locally (no process_group), "
+                "or take the output gradients one at a time")
         t_check = time.perf_counter()
         _check_same_output_grad(grad_out, group)
         operands = ctx.saved_tensors
@@ -274,6 +334,12 @@ class DistributedContractFunction(torch.autograd.Function):
             ctx.stats.comm_s += time.perf_counter() - t1 + (t0 - t_check)  # the check is communication too
         return (None, None, None, None, None, *(g if g is None else g.to(op.dtype) for g, op in zip(grads, operands)))
 
+    @staticmethod
+    def jvp(ctx, *tangents):
+        raise NotImplementedError(
+            "forward-mode AD (dual tensors, torch.func.jvp) through a distributed contraction is not supported; "
+            "contract locally (no process_group) for forward mode")
+
 
 def contract_plan(plan, operands, process_group=None, progress: bool = False,
                   stats: Optional[ContractStats] = None) -> torch.Tensor:
@@ -281,17 +347,47 @@ def contract_plan(plan, operands, process_group=None, progress: bool = False,
     (default: the whole world when ``torch.distributed`` is initialised; otherwise local).
     Every rank gets the full result; gradients flow as described in the module docstring.
     ``stats``: a :class:`ContractStats` to fill in (this rank's compute and communication time)."""
-    group = None
-    if dist.is_available() and dist.is_initialized():
-        group = process_group if process_group is not None else dist.group.WORLD
-        if dist.get_rank(group) < 0:
-            raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
-    if group is None or dist.get_world_size(group) == 1:  # local: this process runs every slice
-        t0 = time.perf_counter()
-        out = plan.contract(*operands, progress=progress)
-        if stats is not None:
-            stats.compute_s, stats.comm_s, stats.slices = time.perf_counter() - t0, 0.0, plan.num_slices
-        return out
+    if (dist.is_available() and dist.is_initialized() and not isinstance(process_group, (torch.Tensor, list, tuple))
+            and process_group == dist.GroupMember.NON_GROUP_MEMBER):  # what new_group gives a rank outside it
+        raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
+    if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
+        raise TypeError(f"process_group must be a torch.distributed ProcessGroup (dist.new_group(...)) or None, "
+                        f"got {type(process_group).__name__}")
+    meta = any(isinstance(op, torch.Tensor) and op.device.type == "meta" for op in operands)
+    if not (dist.is_available() and dist.is_initialized()) or meta:
+        # local (meta operands have no values: their result's shape is the same on every rank)
+        return _contract_local(plan, operands, progress, stats)
+    return _contract_shared(plan, operands, process_group if process_group is not None else dist.group.WORLD,
+                            progress, stats)
+
+
+def _contract_local(plan, operands, progress, stats) -> torch.Tensor:
+    """This process runs every slice."""
+    t0 = time.perf_counter()
+    out = plan.contract(*operands, progress=progress)
+    if stats is not None:
+        stats.compute_s, stats.comm_s, stats.slices = time.perf_counter() - t0, 0.0, plan.num_slices
+    return out
+
+
+def _not_compiled(fn):
+    """The collectives' checks are Python (``all_gather_object``): Dynamo runs the shared
+    contraction eagerly, a graph break; under ``fullgraph=True`` its error gives this reason."""
+    reason = ("a distributed contraction compares plans and operands across ranks in Python collectives, which "
+              "torch.compile cannot trace: it runs eagerly (a graph break), so compile without fullgraph=True")
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # torch < 2.8 takes no reason
+        return torch.compiler.disable(fn)
+
+
+@_not_compiled
+def _contract_shared(plan, operands, group, progress, stats) -> torch.Tensor:
+    """The slices shared by the ranks of ``group``."""
+    if dist.get_rank(group) < 0:
+        raise ValueError(f"this rank ({dist.get_rank()}) is not a member of process_group")
+    if dist.get_world_size(group) == 1:
+        return _contract_local(plan, operands, progress, stats)
     if any(isinstance(op, torch.Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(op) for op in operands):
         raise NotImplementedError(
             "torch.func transforms (grad, jvp, vmap, ...) through a distributed contraction are not supported; "
