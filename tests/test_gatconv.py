@@ -754,6 +754,46 @@ def test_compiled_dynamic_shapes_and_attention_weights():
         close(dyn(x, ei), conv(x, ei))
 
 
+@pytest.mark.parametrize("layer", ["gat", "gatv2"])
+def test_compiled_layers_keep_graph_sizes_symbolic(layer):
+    """Under torch.compile every new node or edge count compiled a new graph (the graph's
+    counts went through operator.index and int(), which fix a symbolic size to its value), and
+    under fullgraph=True the ninth size failed (recompile limit): a compiled mini-batch loop
+    died after 8 batches. PyG's layers compile twice (static, then dynamic); so do ours now."""
+    from torch._dynamo.utils import counters
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    conv = (GATConv if layer == "gat" else tgnn.GATv2Conv)(16, 8, heads=2, edge_dim=3).eval()
+    compiled = torch.compile(conv, fullgraph=True)
+    for i in range(10):
+        n, m = 30 + 7 * i, 120 + 31 * i
+        x, ei, ea = torch.randn(n, 16), random_graph(n, n, m, seed=i), torch.randn(m, 3)
+        close(compiled(x, ei, ea), conv(x, ei, ea))
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("layer", ["gat", "gatv2"])
+def test_exported_layers_with_dynamic_sizes_run_and_differentiate(layer):
+    """torch.export with dynamic node and edge counts failed ("you marked n as dynamic but your
+    code specialized it"); and GATv2's exported program gave no input gradients (its op had no
+    autograd formula of its own; the exported program calls the op without the Function)."""
+    from torch.export import Dim, export
+    torch.manual_seed(0)
+    conv = (GATConv if layer == "gat" else tgnn.GATv2Conv)(16, 8, heads=2, edge_dim=3).eval()
+    x, ei, ea = torch.randn(60, 16), random_graph(60, 60, 300, seed=1), torch.randn(300, 3)
+    n, m = Dim("n", min=2, max=10 ** 4), Dim("m", min=2, max=10 ** 5)
+    module = export(conv, (x, ei, ea), dynamic_shapes=({0: n}, {1: m}, {0: m})).module()
+    x2, ei2, ea2 = torch.randn(85, 16), random_graph(85, 85, 410, seed=2), torch.randn(410, 3)
+    xs, xr = x2.clone().requires_grad_(), x2.clone().requires_grad_()
+    out, ref = module(xs, ei2, ea2), conv(xr, ei2, ea2)
+    close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    close(xs.grad, xr.grad)
+
+
 # ------------------------------------------------------------------------------ Cora
 def test_cora_loader():
     from torch_gradops.datasets import load_cora, planetoid_dir

@@ -382,6 +382,50 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
         return tuple(g if n else None for g, n in zip(grads, needs)) + none_rest
 
 
+# Autograd on the op itself, as for gat_forward: a program that calls the op without the
+# Functions above (torch.export's exported program, which inlines them) differentiates it with
+# this formula; without one the exported layer's input gradients were None.
+def _gatv2_forward_setup_context(ctx, inputs, output):
+    (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, negative_slope, dropout_scale,
+     return_alpha) = inputs
+    out, lse, _ = output
+    ctx.negative_slope = negative_slope
+    ctx.dropout_scale = dropout_scale
+    ctx.has = (True, True, True, edge_attr is not None, edge_weight is not None)
+    ctx.save_for_backward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, out, lse)
+
+
+def _gatv2_forward_backward(ctx, grad_out, grad_lse, grad_alpha):
+    x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, out, lse = ctx.saved_tensors
+    wanted = [True] * _N_DIFF if torch.compiler.is_compiling() else ctx.needs_input_grad[:_N_DIFF]
+    needs = [n and h for n, h in zip(wanted, ctx.has)]
+    rest = (None,) * 6
+    if not any(needs):
+        return (None,) * _N_DIFF + rest
+    if grad_alpha is not None and grad_alpha.numel() == 0:
+        grad_alpha = None
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(
+            is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight)):
+        dst = csc_destinations(indptr, indices.numel()).long()
+        grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
+                                          indices.long(), dst, x_dst.size(0), dropout_mask, ctx.negative_slope,
+                                          ctx.dropout_scale, needs)
+        return tuple(grads) + rest
+    # No graph object here: build the reverse index as BipartiteCSC does.
+    edges = _Edges.of(BipartiteCSC(indptr, indices, x_src.size(0), validate=False))
+    grads = ops.gatv2_backward(
+        grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
+        x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, edges.rev_indptr, edges.rev_edge, edges.rev_dst,
+        dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
+    return tuple(g if n else None for g, n in zip(grads, needs)) + rest
+
+
+torch.library.register_autograd("torch_gradops::gatv2_forward", _gatv2_forward_backward,
+                                setup_context=_gatv2_forward_setup_context)
+
+
 class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
     """Autograd for the fused GATv2 kernels. All per-edge tensors are in CSC edge order.
 

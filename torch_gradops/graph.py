@@ -27,6 +27,8 @@ def as_index(n) -> Optional[int]:
     None (bools, floats, None and anything else)."""
     if isinstance(n, bool):
         return None
+    if isinstance(n, (int, torch.SymInt)):  # (Dynamo sees a dynamic size as an int: kept symbolic, where
+        return n                            # operator.index would specialise it to its current value)
     try:
         return operator.index(n)
     except TypeError:
@@ -402,8 +404,8 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
                          f"{tuple(dst.shape)}")
     if src.device != dst.device:
         raise ValueError(f"src ({src.device}) and dst ({dst.device}) must be on one device")
-    if self_loops is not None and int(self_loops) < 0:
-        raise ValueError(f"self_loops must be None or >= 0, got {self_loops}")
+    if self_loops is not None:  # (no int(): a dynamic size stays symbolic)
+        self_loops = _count(self_loops, "self_loops")
     device = src.device
     src, dst = src.long(), dst.long()
     E = src.numel()
@@ -422,7 +424,7 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
         indptr = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
         indices, perm, num_rows, dst_of, num_input_edges = s, order, num_dst, d, E
     else:
-        L = int(self_loops)
+        L = self_loops
         if L > num_dst or L > num_src:
             raise ValueError(f"cannot add {L} self-loops to a {num_src} x {num_dst} graph")
         ids = torch.arange(E, device=device) if order is None else order  # processed id per sorted edge

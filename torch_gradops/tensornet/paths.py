@@ -38,6 +38,7 @@ import inspect
 import math
 import os
 import random
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -302,15 +303,23 @@ GREEDY_TRIAL = "torch_gradops-greedy"  # the hyper-method name of _greedy_trial
 register_hyper_function(GREEDY_TRIAL, _greedy_trial, get_hyper_space()["greedy"])  # cotengra's "greedy" space
 
 
+# One seeded search at a time in a process: searches planning in several threads at once drew
+# from the one global stream in turn, and got other plans than alone.
+_SEARCH_LOCK = threading.RLock()
+
+
 def _seeded(fn):
     """Run ``fn`` with Python's global ``random`` (which cotengra's greedy and slicer draw
-    from) seeded, restoring its state after: deterministic, and invisible to the caller."""
-    state = random.getstate()
-    random.seed(SEED)
-    try:
-        return fn()
-    finally:
-        random.setstate(state)
+    from) seeded, restoring its state after: deterministic, and invisible to the caller, except
+    to another thread drawing from ``random`` while a search runs (the stream is shared). Holds
+    :data:`_SEARCH_LOCK`: concurrent plans are searched one after the other."""
+    with _SEARCH_LOCK:
+        state = random.getstate()
+        random.seed(SEED)
+        try:
+            return fn()
+        finally:
+            random.setstate(state)
 
 
 def _cache_directory(path_cache, options) -> Optional[str]:
@@ -406,7 +415,11 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
         best = min([best] + polished, key=lambda x: x[0])
     tree = best[1]
     if cache is not None:
-        cache.update_from_tree(tree, overwrite=True)
+        try:
+            cache.update_from_tree(tree, overwrite=True)
+        except OSError as e:  # a read-only (shared) cache: the plan stands, unsaved
+            warnings.warn(f"path_cache: the searched path could not be saved ({e}); the plan is used unsaved",
+                          RuntimeWarning, stacklevel=2)
     return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], name, searched,
                       time.perf_counter() - t0)
 

@@ -2,6 +2,7 @@
 shapes, dtype and device type), :func:`build_plan`, and the plan cache."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections import OrderedDict
@@ -566,11 +567,18 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
 
     # the disk cache's key: what shapes the objective besides the search options
     cache_key = (tuple(forced), min_slices, dtype.is_complex, max_overhead, reserve)
-    found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
-                            objective=score_tree, path_cache=path_cache, select=select_tree,
-                            path_work=slicing_.work,
-                            path_exact_work=lambda path: slicing_.finalize(path, (), itemsize)[-1],
-                            cache_key=cache_key, flops_per_mac=8.0 if dtype.is_complex else 2.0)
+    # The network's mode ids are numbered by first appearance, so the same network under other
+    # labels (fresh index names each step, as quimb's are) has the same key: searched once.
+    path_key = (network.inputs, network.output, tuple(sorted(network.sizes.items())), optimize, limit_elems,
+                min_slices, cache_key, itemsize) if isinstance(optimize, str) else None
+    found = PLANS.path_of(path_key)
+    if found is None:
+        found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
+                                objective=score_tree, path_cache=path_cache, select=select_tree,
+                                path_work=slicing_.work,
+                                path_exact_work=lambda path: slicing_.finalize(path, (), itemsize)[-1],
+                                cache_key=cache_key, flops_per_mac=8.0 if dtype.is_complex else 2.0)
+        PLANS.keep_path(path_key, found)
     path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
     unsplit = network  # for the error below (the split network renumbers modes)
     network, sliced, checkpoints, copies = _split_plan_network(network, path, sliced, splits, slicing_.cap,
@@ -766,7 +774,23 @@ class PlanCache:
     def __init__(self, maxsize: int = 512):
         self.maxsize = maxsize
         self._plans: "OrderedDict[Any, ContractionPlan]" = OrderedDict()
+        self._paths: "OrderedDict[Any, paths.PathResult]" = OrderedDict()  # searched paths by network
         self.hits = self.misses = self.path_searches = 0
+
+    def path_of(self, key) -> Optional["paths.PathResult"]:
+        """The path searched earlier for the network and options of ``key`` (label-independent:
+        see :func:`build_plan`), as a result that ran no search; None if none (or ``key`` None)."""
+        found = None if key is None else self._paths.get(key)
+        if found is None:
+            return None
+        self._paths.move_to_end(key)
+        return dataclasses.replace(found, searched=False, search_s=0.0)
+
+    def keep_path(self, key, found: "paths.PathResult") -> None:
+        if key is not None and found.searched:
+            self._paths[key] = found
+            if len(self._paths) > self.maxsize:
+                self._paths.popitem(last=False)
 
     def get(self, key) -> Optional[ContractionPlan]:
         p = self._plans.get(key)
@@ -792,6 +816,7 @@ class PlanCache:
 
     def clear(self) -> None:
         self._plans.clear()
+        self._paths.clear()
         self.hits = self.misses = self.path_searches = 0
 
 
