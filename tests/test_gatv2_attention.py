@@ -720,3 +720,23 @@ def test_graph_without_the_inputs_self_loops():
     assert torch.equal(got[3][~keep], torch.zeros_like(got[3][~keep]))
     with pytest.raises(ValueError, match=r"edge_attr must have shape \[E=50"):
         tg.gatv2_attention(xs, xd, att, eager, edge_attr=ea[:E], edge_weight=w)
+
+
+def test_the_ops_own_autograd_formulas_leave_the_log_sum_exp_non_differentiable():
+    """The formulas registered on gat_forward / gatv2_forward (what an exported program
+    differentiates) left lse differentiable and ignored its gradient: a loss through it got
+    zero gradients silently (the Functions mark it non-differentiable)."""
+    import torch_gradops  # noqa: F401  (registers the ops)
+    from torch_gradops.graph import csc_from_edges
+    g = csc_from_edges(torch.tensor([0, 1, 2, 0]), torch.tensor([1, 2, 0, 0]), 3, 3)
+    f64 = dict(dtype=torch.float64, requires_grad=True)
+    xs, xd, att = torch.randn(3, 2, 4, **f64), torch.randn(3, 2, 4, **f64), torch.randn(2, 4, **f64)
+    a_src, a_dst = torch.randn(3, 2, **f64), torch.randn(3, 2, **f64)
+    for out, lse, _ in (torch.ops.torch_gradops.gatv2_forward(xs, xd, att, None, None, g.indptr, g.indices, None,
+                                                               0.2, 1.0, False),
+                        torch.ops.torch_gradops.gat_forward(xs, a_src, a_dst, None, g.indptr, g.indices, None, 0.2,
+                                                            1.0, False)):
+        assert out.requires_grad and not lse.requires_grad
+    torch.ops.torch_gradops.gatv2_forward(xs, xd, att, None, None, g.indptr, g.indices, None, 0.2, 1.0,
+                                          False)[0].sum().backward()
+    assert att.grad is not None and att.grad.abs().sum() > 0

@@ -2023,6 +2023,44 @@ def test_the_same_network_under_new_labels_is_not_searched_again():
     tn.clear_plan_cache()
 
 
+def test_a_relabelled_network_still_writes_the_path_cache(tmp_path):
+    """The in-memory path memo served a relabelled network without running the path search,
+    so a path_cache passed on that call was never written (a new process searched again)."""
+    from torch_gradops.testing import lattice_network
+    inputs, output, arrays = lattice_network(4, 4, 3, seed=0, dtype=torch.float64)
+    tn.clear_plan_cache()
+    tn.plan(*interleave(inputs, arrays, output), memory_limit=2048, optimize="cotengra")
+    names = {m: f"x{m}" for t in inputs for m in t}
+    args = interleave([[names[m] for m in t] for t in inputs], arrays, [names[m] for m in output])
+    tn.plan(*args, memory_limit=2048, optimize="cotengra", path_cache=str(tmp_path))
+    assert any(files for _, _, files in os.walk(tmp_path))
+    tn.clear_plan_cache()
+
+
+def test_a_read_only_path_cache_without_the_entry_still_plans(tmp_path, monkeypatch):
+    """A read-only cache folder without an entry for the search's options: cotengra's cache
+    makes its folder when it is created, before the search, and that failed with "cannot keep
+    a cache" although the folder exists."""
+    import cotengra
+    from torch_gradops.testing import lattice_network
+    inputs, output, arrays = lattice_network(4, 4, 3, seed=0, dtype=torch.float64)
+    args = interleave(inputs, arrays, output)
+    tn.clear_plan_cache()
+    fresh = tn.plan(*args, memory_limit=4096, optimize="cotengra")
+
+    def read_only(self, *a, **k):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(cotengra.ReusableHyperOptimizer, "__init__", read_only)
+    tn.clear_plan_cache()
+    with pytest.warns(RuntimeWarning, match="searching without saving"):
+        p = tn.plan(*args, memory_limit=4096, optimize="cotengra", path_cache=str(tmp_path))
+    assert p.path == fresh.path and p.sliced_modes == fresh.sliced_modes
+    tn.clear_plan_cache()
+    with pytest.raises(ValueError, match="cannot keep a cache"):  # not a folder at all: an error
+        tn.plan(*args, memory_limit=4096, optimize="cotengra", path_cache=str(tmp_path / "missing" / "deeper"))
+    tn.clear_plan_cache()
+
+
 def test_a_read_only_path_cache_still_plans(tmp_path, monkeypatch):
     """A path cache that cannot be written (a shared read-only directory that already holds
     entries) failed every cache miss with a raw OSError after the search had run."""

@@ -607,6 +607,7 @@ def _gat_forward_setup_context(ctx, inputs, output):
     (x_src, a_src, a_dst, edge_logits, indptr, indices, dropout_mask, negative_slope, dropout_scale,
      return_alpha) = inputs
     out, lse, _ = output
+    ctx.mark_non_differentiable(lse)  # the log-sum-exp is the backward's, not an output to differentiate
     ctx.negative_slope = negative_slope
     ctx.dropout_scale = dropout_scale
     ctx.has_edge_logits = edge_logits is not None

@@ -308,6 +308,29 @@ _N_DIFF = 5  # x_src, x_dst, att, edge_attr, edge_weight
 _N_REST = 9  # indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, slope, scale, return_alpha
 
 
+def _wanted_grads(ctx, grad_out, grad_alpha, out):
+    """``(needs, grad_out, grad_alpha)`` for a first-order backward: which of the five
+    differentiable inputs get a gradient (``ctx.has``: the inputs given), a missing output
+    gradient as zeros, an empty alpha gradient as None."""
+    # Dynamo, tracing inside a torch.func transform, reports inputs wrapped by the transform
+    # as not needing a gradient (their gradients then came out zero): compute them all.
+    wanted = [True] * _N_DIFF if torch.compiler.is_compiling() else ctx.needs_input_grad[:_N_DIFF]
+    needs = [n and h for n, h in zip(wanted, ctx.has)]
+    if grad_alpha is not None and grad_alpha.numel() == 0:
+        grad_alpha = None
+    return needs, torch.zeros_like(out) if grad_out is None else grad_out, grad_alpha
+
+
+def _fused_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
+                    rev_indptr, rev_edge, rev_dst, dropout_mask, negative_slope, dropout_scale, needs) -> tuple:
+    """The deterministic backward kernel's gradients (None where not needed)."""
+    grads = ops.gatv2_backward(
+        grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
+        x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
+        dropout_mask, negative_slope, dropout_scale, needs)
+    return tuple(g if n else None for g, n in zip(grads, needs))
+
+
 class _GATv2AttentionFirstOrder(torch.autograd.Function):
     """Forward and backward of :class:`GATv2AttentionFunction`, without ``jvp``: the class that
     ``torch.compile`` traces (Dynamo cannot trace a Function that defines ``jvp``)."""
@@ -343,17 +366,10 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse, grad_alpha):
         (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
          dropout_mask, out, lse) = ctx.saved_tensors
-        # Dynamo, tracing inside a torch.func transform, reports inputs wrapped by the transform
-        # as not needing a gradient (their gradients then came out zero): compute them all.
-        wanted = [True] * _N_DIFF if torch.compiler.is_compiling() else ctx.needs_input_grad[:_N_DIFF]
-        needs = [n and h for n, h in zip(wanted, ctx.has)]
+        needs, grad_out, grad_alpha = _wanted_grads(ctx, grad_out, grad_alpha, out)
         none_rest = (None,) * _N_REST
         if not any(needs):
             return (None,) * _N_DIFF + none_rest
-        if grad_alpha is not None and grad_alpha.numel() == 0:
-            grad_alpha = None
-        if grad_out is None:
-            grad_out = torch.zeros_like(out)
         if torch.is_grad_enabled() or any(is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att,
                                                                        edge_attr, edge_weight)):
             # create_graph=True (every torch.func.grad/vjp records for higher orders), or batched
@@ -375,11 +391,9 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
         if not ctx.has_rev:
             raise RuntimeError("GATv2AttentionFunction: the reverse index was not passed to forward, "
                                "but a gradient is needed; call gatv2_attention() instead")
-        grads = ops.gatv2_backward(
-            grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
-            x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
-            dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
-        return tuple(g if n else None for g, n in zip(grads, needs)) + none_rest
+        return _fused_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight, indptr,
+                               indices, rev_indptr, rev_edge, rev_dst, dropout_mask, ctx.negative_slope,
+                               ctx.dropout_scale, needs) + none_rest
 
 
 # Autograd on the op itself, as for gat_forward: a program that calls the op without the
@@ -389,6 +403,7 @@ def _gatv2_forward_setup_context(ctx, inputs, output):
     (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, negative_slope, dropout_scale,
      return_alpha) = inputs
     out, lse, _ = output
+    ctx.mark_non_differentiable(lse)  # the log-sum-exp is the backward's, not an output to differentiate
     ctx.negative_slope = negative_slope
     ctx.dropout_scale = dropout_scale
     ctx.has = (True, True, True, edge_attr is not None, edge_weight is not None)
@@ -397,15 +412,10 @@ def _gatv2_forward_setup_context(ctx, inputs, output):
 
 def _gatv2_forward_backward(ctx, grad_out, grad_lse, grad_alpha):
     x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, out, lse = ctx.saved_tensors
-    wanted = [True] * _N_DIFF if torch.compiler.is_compiling() else ctx.needs_input_grad[:_N_DIFF]
-    needs = [n and h for n, h in zip(wanted, ctx.has)]
-    rest = (None,) * 6
+    needs, grad_out, grad_alpha = _wanted_grads(ctx, grad_out, grad_alpha, out)
+    rest = (None,) * 6  # indptr, indices, dropout_mask, slope, scale, return_alpha
     if not any(needs):
         return (None,) * _N_DIFF + rest
-    if grad_alpha is not None and grad_alpha.numel() == 0:
-        grad_alpha = None
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(
             is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight)):
         dst = csc_destinations(indptr, indices.numel()).long()
@@ -415,11 +425,9 @@ def _gatv2_forward_backward(ctx, grad_out, grad_lse, grad_alpha):
         return tuple(grads) + rest
     # No graph object here: build the reverse index as BipartiteCSC does.
     edges = _Edges.of(BipartiteCSC(indptr, indices, x_src.size(0), validate=False))
-    grads = ops.gatv2_backward(
-        grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
-        x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, edges.rev_indptr, edges.rev_edge, edges.rev_dst,
-        dropout_mask, ctx.negative_slope, ctx.dropout_scale, needs)
-    return tuple(g if n else None for g, n in zip(grads, needs)) + rest
+    return _fused_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
+                           edges.rev_indptr, edges.rev_edge, edges.rev_dst, dropout_mask, ctx.negative_slope,
+                           ctx.dropout_scale, needs) + rest
 
 
 torch.library.register_autograd("torch_gradops::gatv2_forward", _gatv2_forward_backward,

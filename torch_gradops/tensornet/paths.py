@@ -344,10 +344,14 @@ def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: O
     if cache_dir is not None:
         try:
             cache = cotengra.ReusableHyperOptimizer(directory=os.path.join(cache_dir, "plan"), **options[0])
-        except OSError as e:  # a file, or a folder that cannot be made
-            raise ValueError(f"path_cache: cannot keep a cache in {os.path.dirname(cache_dir)!r} ({e}); pass a "
-                             f"writable directory, or path_cache='' for none") from None
-        if not cache.hash_query(inputs, output, size_dict)[1]:
+        except OSError as e:
+            if not os.path.isdir(os.path.dirname(cache_dir)):  # a file, or a folder that cannot be made
+                raise ValueError(f"path_cache: cannot keep a cache in {os.path.dirname(cache_dir)!r} ({e}); pass "
+                                 f"a writable directory, or path_cache='' for none") from None
+            # a folder that cannot be written (a read-only shared cache without these options' entries)
+            warnings.warn(f"path_cache: no entry for this search in {os.path.dirname(cache_dir)!r} and none can be "
+                          f"made ({e}); searching without saving", RuntimeWarning, stacklevel=3)
+        if cache is not None and not cache.hash_query(inputs, output, size_dict)[1]:
             try:
                 return [cache.search(inputs, output, size_dict)], False, cache  # a hit: no search
             except Exception as e:  # a truncated or corrupt entry (an interrupted write): search, rewrite it

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -569,8 +571,10 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     cache_key = (tuple(forced), min_slices, dtype.is_complex, max_overhead, reserve)
     # The network's mode ids are numbered by first appearance, so the same network under other
     # labels (fresh index names each step, as quimb's are) has the same key: searched once.
+    # (Not with an on-disk path cache, which then gets the entry for a new process.)
+    disk_cache = path_cache if path_cache is not None else os.environ.get(paths.PATH_CACHE_ENV)
     path_key = (network.inputs, network.output, tuple(sorted(network.sizes.items())), optimize, limit_elems,
-                min_slices, cache_key, itemsize) if isinstance(optimize, str) else None
+                min_slices, cache_key, itemsize) if isinstance(optimize, str) and not disk_cache else None
     found = PLANS.path_of(path_key)
     if found is None:
         found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
@@ -775,39 +779,47 @@ class PlanCache:
         self.maxsize = maxsize
         self._plans: "OrderedDict[Any, ContractionPlan]" = OrderedDict()
         self._paths: "OrderedDict[Any, paths.PathResult]" = OrderedDict()  # searched paths by network
+        self._lock = threading.Lock()  # threads planning at once: a lookup's entry evicted under it
         self.hits = self.misses = self.path_searches = 0
 
     def path_of(self, key) -> Optional["paths.PathResult"]:
         """The path searched earlier for the network and options of ``key`` (label-independent:
         see :func:`build_plan`), as a result that ran no search; None if none (or ``key`` None)."""
-        found = None if key is None else self._paths.get(key)
-        if found is None:
-            return None
-        self._paths.move_to_end(key)
+        with self._lock:
+            found = None if key is None else self._paths.get(key)
+            if found is None:
+                return None
+            self._paths.move_to_end(key)
         return dataclasses.replace(found, searched=False, search_s=0.0)
 
     def keep_path(self, key, found: "paths.PathResult") -> None:
         if key is not None and found.searched:
-            self._paths[key] = found
-            if len(self._paths) > self.maxsize:
-                self._paths.popitem(last=False)
+            with self._lock:
+                self._paths[key] = found
+                if len(self._paths) > self.maxsize:
+                    self._paths.popitem(last=False)
 
     def get(self, key) -> Optional[ContractionPlan]:
+        # No lock: compiled code traces this lookup (Dynamo cannot enter a lock).
         p = self._plans.get(key)
         if p is not None:
             self.hits += 1
-            self._plans.move_to_end(key)
+            try:
+                self._plans.move_to_end(key)
+            except KeyError:  # dropped by another thread meanwhile: the plan is still good
+                pass
         return p
 
     def build(self, key, make: Callable[[], ContractionPlan]) -> ContractionPlan:
         """Make a plan (counted as a miss) and keep it under ``key`` (None: do not keep)."""
-        self.misses += 1
         p = make()
-        self.path_searches += int(p.searched)
-        if key is not None:
-            self._plans[key] = p
-            if len(self._plans) > self.maxsize:
-                self._plans.popitem(last=False)
+        with self._lock:
+            self.misses += 1
+            self.path_searches += int(p.searched)
+            if key is not None:
+                self._plans[key] = p
+                if len(self._plans) > self.maxsize:
+                    self._plans.popitem(last=False)
         return p
 
     def info(self) -> Dict[str, int]:
@@ -815,9 +827,10 @@ class PlanCache:
                 "size": len(self._plans)}
 
     def clear(self) -> None:
-        self._plans.clear()
-        self._paths.clear()
-        self.hits = self.misses = self.path_searches = 0
+        with self._lock:
+            self._plans.clear()
+            self._paths.clear()
+            self.hits = self.misses = self.path_searches = 0
 
 
 PLANS = PlanCache()  # the process-wide plan cache behind contract() and plan()
