@@ -2864,3 +2864,17 @@ def test_bad_option_values_name_the_option():
             tn.plan("ab,bc->ac", a, b, slicing={"min_slices": bad})
     import numpy as np
     assert tn.plan("ab,bc->ac", a, b, slicing={"min_slices": np.int64(4)}).num_slices >= 4
+
+
+def test_a_percent_memory_limit_keys_plans_by_device():
+    """Plans were cached by device type: a plan for cuda:0 at memory_limit="50%" served cuda:1,
+    whose memory (and so whose limit) may differ. Absolute limits still share plans across
+    devices of a type."""
+    from torch_gradops.tensornet.contract import _plan_key
+    args = ("ab,bc->ac", None, None, [(2, 3), (3, 4)], torch.float32)
+    rest = ("auto", None, 1e4)
+
+    def key(device, limit):
+        return _plan_key(*args, torch.device(device), limit, *rest)
+    assert key("cuda:0", "50%") != key("cuda:1", "50%")
+    assert key("cuda:0", "2GiB") == key("cuda:1", "2GiB") and key("cpu", None) == key("cpu", None)

@@ -33,15 +33,19 @@ def _freeze(x):
     return x if parser.is_hashable(x) else ("id", id(x))
 
 
-def _plan_key(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing, max_overhead):
-    """The plan cache's key (the on-disk path cache's directory does not change the plan)."""
-    return (expr if expr is not None else (_freeze(terms), _freeze(output)), tuple(shapes), dtype, device_type,
-            _freeze(memory_limit), _freeze(optimize), _freeze(slicing), max_overhead)
+def _plan_key(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, max_overhead):
+    """The plan cache's key (the on-disk path cache's directory does not change the plan): by
+    device type, or by the device itself for a limit in percent of its memory (devices of one
+    type may have different memory)."""
+    percent = isinstance(memory_limit, str) and memory_limit.strip().endswith("%")
+    return (expr if expr is not None else (_freeze(terms), _freeze(output)), tuple(shapes), dtype,
+            str(device) if percent else device.type, _freeze(memory_limit), _freeze(optimize), _freeze(slicing),
+            max_overhead)
 
 
 def _get_plan(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, interleaved,
               path_cache=None, max_overhead=1e4) -> ContractionPlan:
-    key = _plan_key(expr, terms, output, shapes, dtype, device.type, memory_limit, optimize, slicing, max_overhead)
+    key = _plan_key(expr, terms, output, shapes, dtype, device, memory_limit, optimize, slicing, max_overhead)
     p = PLANS.get(key)
     if p is None:
         p = PLANS.build(key, lambda: build_plan(expr, terms, output, shapes, dtype, device.type, memory_limit,
@@ -123,7 +127,7 @@ def resolve(*args, memory_limit=None, optimize="auto", slicing=None, plan: Optio
             parser.check_operands(operands)
             shapes = [tuple(op.shape) for op in operands]
             dtype = parser.promoted_dtype(operands)
-            key = _plan_key(expr, None, None, shapes, dtype, operands[0].device.type, memory_limit, optimize,
+            key = _plan_key(expr, None, None, shapes, dtype, operands[0].device, memory_limit, optimize,
                             slicing, max_overhead)
             plan = PLANS.get(key)  # fast path: no parsing on a cache hit
             if plan is None:
