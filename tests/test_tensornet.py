@@ -2866,15 +2866,18 @@ def test_bad_option_values_name_the_option():
     assert tn.plan("ab,bc->ac", a, b, slicing={"min_slices": np.int64(4)}).num_slices >= 4
 
 
-def test_a_percent_memory_limit_keys_plans_by_device():
+def test_a_percent_memory_limit_keys_plans_by_device(monkeypatch):
     """Plans were cached by device type: a plan for cuda:0 at memory_limit="50%" served cuda:1,
     whose memory (and so whose limit) may differ. Absolute limits still share plans across
-    devices of a type."""
-    from torch_gradops.tensornet.contract import _plan_key
-    args = ("ab,bc->ac", None, None, [(2, 3), (3, 4)], torch.float32)
-    rest = ("auto", None, 1e4)
-
-    def key(device, limit):
-        return _plan_key(*args, torch.device(device), limit, *rest)
-    assert key("cuda:0", "50%") != key("cuda:1", "50%")
-    assert key("cuda:0", "2GiB") == key("cuda:1", "2GiB") and key("cpu", None) == key("cpu", None)
+    devices of a type. (Two GPUs of different memory, as the planner sees them.)"""
+    from torch_gradops.tensornet import slicer
+    memory = {0: 2 ** 30, 1: 2 ** 20}
+    monkeypatch.setattr(slicer, "_device_memory", lambda d: memory[d.index or 0])
+    tn.clear_plan_cache()
+    shapes = ((64, 64), (64, 64))
+    p0 = tn.plan("ab,bc->ac", *shapes, dtype=torch.float32, memory_limit="50%", device="cuda:0")
+    p1 = tn.plan("ab,bc->ac", *shapes, dtype=torch.float32, memory_limit="50%", device="cuda:1")
+    assert (p0.memory_limit, p1.memory_limit) == (2 ** 29, 2 ** 19)
+    q0 = tn.plan("ab,bc->ac", *shapes, dtype=torch.float32, memory_limit="1MiB", device="cuda:0")
+    assert q0 is tn.plan("ab,bc->ac", *shapes, dtype=torch.float32, memory_limit="1MiB", device="cuda:1")
+    tn.clear_plan_cache()
