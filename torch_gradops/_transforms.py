@@ -29,7 +29,7 @@ from torch.autograd import forward_ad
 
 __all__ = ["FUNCTION", "FUSED_JVP", "COMPOSITE", "transform_keys", "is_transformed", "is_legacy_batched", "has_tangent",
            "route",
-           "split_duals", "join_dual"]
+           "split_duals", "join_dual", "not_compiled"]
 
 FUNCTION, FUSED_JVP, COMPOSITE = "function", "fused_jvp", "composite"
 
@@ -117,3 +117,12 @@ def split_duals(tensors: Sequence[Optional[torch.Tensor]]):
 def join_dual(primal: torch.Tensor, tangent: Optional[torch.Tensor]) -> torch.Tensor:
     """``primal`` with ``tangent`` attached at the current forward level."""
     return primal if tangent is None else forward_ad.make_dual(primal, tangent)
+
+
+def not_compiled(fn, reason: str):
+    """``fn`` run eagerly under ``torch.compile`` (Dynamo skips it: a graph break); under
+    ``fullgraph=True`` Dynamo's error gives ``reason`` (torch >= 2.8 takes one)."""
+    try:
+        return torch.compiler.disable(fn, reason=reason)
+    except TypeError:  # torch < 2.8
+        return torch.compiler.disable(fn)

@@ -14,6 +14,7 @@ no process group initialised it is a plain local contraction.
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 import weakref
@@ -23,7 +24,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from .._transforms import is_legacy_batched
+from .._transforms import is_legacy_batched, not_compiled
 from ..tensornet import parser, resolve
 from ..tensornet.program import accumulate_dtype
 
@@ -370,18 +371,10 @@ def _contract_local(plan, operands, progress, stats) -> torch.Tensor:
     return out
 
 
-def _not_compiled(fn):
-    """The collectives' checks are Python (``all_gather_object``): Dynamo runs the shared
-    contraction eagerly, a graph break; under ``fullgraph=True`` its error gives this reason."""
-    reason = ("a distributed contraction compares plans and operands across ranks in Python collectives, which "
-              "torch.compile cannot trace: it runs eagerly (a graph break), so compile without fullgraph=True")
-    try:
-        return torch.compiler.disable(fn, reason=reason)
-    except TypeError:  # torch < 2.8 takes no reason
-        return torch.compiler.disable(fn)
-
-
-@_not_compiled
+# The collectives' checks are Python (all_gather_object): Dynamo runs the shared contraction eagerly.
+@functools.partial(not_compiled, reason=(
+    "a distributed contraction compares plans and operands across ranks in Python collectives, which "
+    "torch.compile cannot trace: it runs eagerly (a graph break), so compile without fullgraph=True"))
 def _contract_shared(plan, operands, group, progress, stats) -> torch.Tensor:
     """The slices shared by the ranks of ``group``."""
     if dist.get_rank(group) < 0:

@@ -54,7 +54,7 @@ from opt_einsum.paths import linear_to_ssa
 
 from .slicer import MAX_SLICES
 
-__all__ = ["PathResult", "find_path", "check_path", "heavy_last", "search_budget", "wants_more",
+__all__ = ["PathResult", "find_path", "cache_root", "check_path", "heavy_last", "search_budget", "wants_more",
            "worth_polishing", "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
            "PATH_CACHE_ENV", "symbols"]
 
@@ -322,13 +322,20 @@ def _seeded(fn):
             random.setstate(state)
 
 
-def _cache_directory(path_cache, options) -> Optional[str]:
+def cache_root(path_cache) -> Optional[str]:
+    """The on-disk path cache's folder in effect: ``path_cache``, else
+    ``$TORCH_GRADOPS_PATH_CACHE``; None for none ("" means none, as for the variable)."""
     if path_cache is None:
         path_cache = os.environ.get(PATH_CACHE_ENV) or None
-    if not path_cache:  # "" means no disk cache, as for the variable (it was the current directory)
+    return os.fspath(path_cache) if path_cache else None
+
+
+def _cache_directory(path_cache, options) -> Optional[str]:
+    root = cache_root(path_cache)
+    if root is None:
         return None
     key = hashlib.sha1(repr((_CACHE_VERSION, options)).encode()).hexdigest()[:16]
-    return os.path.join(os.fspath(path_cache), f"torch_gradops-{key}")
+    return os.path.join(root, f"torch_gradops-{key}")
 
 
 def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: Optional[str]):

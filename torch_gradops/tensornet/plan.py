@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 import threading
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
@@ -13,6 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 import torch
 
 from ..library import check_backend
+from .._transforms import not_compiled
 from .._units import format_bytes
 from . import autograd, parser, paths, program, slicer
 from .compiler import compile_program
@@ -522,19 +522,10 @@ def _split_plan_network(network, path, sliced, splits, cap, itemsize, is_complex
     return best[1]
 
 
-def _not_compiled(fn):
-    """Planning is host-side Python (opt_einsum, cotengra): Dynamo skips it, and under
-    ``fullgraph=True`` its error gives this reason (torch >= 2.8 takes one)."""
-    reason = ("torch_gradops plans a contraction in Python: plan it before compiling (call tn.plan or "
-              "tn.contract once with the same expression, shapes and options; the plan cache serves the "
-              "compiled call), or pass plan=")
-    try:
-        return torch.compiler.disable(fn, reason=reason)
-    except TypeError:
-        return torch.compiler.disable(fn)
-
-
-@_not_compiled
+# Planning is host-side Python (opt_einsum, cotengra): Dynamo skips it.
+@functools.partial(not_compiled, reason=(
+    "torch_gradops plans a contraction in Python: plan it before compiling (call tn.plan or tn.contract once "
+    "with the same expression, shapes and options; the plan cache serves the compiled call), or pass plan="))
 def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, optimize, slicing,
                device=None, interleaved=False, path_cache=None, max_overhead=1e4, hoist: bool = True,
                reserve: int = 0) -> ContractionPlan:
@@ -572,9 +563,9 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     # The network's mode ids are numbered by first appearance, so the same network under other
     # labels (fresh index names each step, as quimb's are) has the same key: searched once.
     # (Not with an on-disk path cache, which then gets the entry for a new process.)
-    disk_cache = path_cache if path_cache is not None else os.environ.get(paths.PATH_CACHE_ENV)
     path_key = (network.inputs, network.output, tuple(sorted(network.sizes.items())), optimize, limit_elems,
-                min_slices, cache_key, itemsize) if isinstance(optimize, str) and not disk_cache else None
+                min_slices, cache_key, itemsize) if isinstance(optimize, str) and paths.cache_root(path_cache) is None \
+        else None
     found = PLANS.path_of(path_key)
     if found is None:
         found = paths.find_path(network.inputs, network.output, network.sizes, optimize, limit_elems, min_slices,
