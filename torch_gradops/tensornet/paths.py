@@ -12,7 +12,9 @@ is the path. Otherwise a ``cotengra.HyperOptimizer`` search over
 greedy trees, each sliced by cotengra to the memory limit (and, with 16 trials or more, a second
 search to 1/4 of it, the two taking batches of trials in turn), scored by :class:`PlanObjective`:
 the executor's forward + backward work of the sliced tree, with the backward's recomputation and
-a charge for any further slicing its memory model needs. The search runs :data:`MIN_TRIALS`
+a charge for any further slicing its memory model needs (unsliced, every element an intermediate
+writes is charged :data:`~.slicer.WRITE_MACS` multiply-adds: trees of few multiply-adds per
+element written run at memory speed). The search runs :data:`MIN_TRIALS`
 trials (:data:`MIN_UNSLICED_TRIALS` unsliced), then more, :data:`BATCH` at a time, while they cost less than :data:`SEARCH_FRACTION` of
 the best plan's estimated time (:func:`wants_more`; at most :func:`_budget_cap` trials, 128 for
 up to 64 operands), so a contraction of milliseconds is not searched for seconds and one of
@@ -61,7 +63,7 @@ __all__ = ["PathResult", "find_path", "cache_root", "check_path", "heavy_last", 
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
 SEED = 0             # the hyper-search's seed: the same network gives the same plan everywhere
 PATH_CACHE_ENV = "TORCH_GRADOPS_PATH_CACHE"
-_CACHE_VERSION = 8   # bump when the search, its scoring or the cache's layout changes: old entries are ignored
+_CACHE_VERSION = 9   # bump when the search, its scoring or the cache's layout changes: old entries are ignored
 
 
 @dataclass(frozen=True)
@@ -248,7 +250,8 @@ def _round_robin(searches: List[BudgetedHyperOptimizer], inputs, output, size_di
 
 class PlanObjective(FlopsObjective):
     """cotengra objective: log2 of the executor's work for a sliced tree, forward + backward:
-    ``slices x (3 x multiply-adds per slice + recomputed ones)``, after the further slicing (if
+    ``slices x (3 x multiply-adds per slice + recomputed ones)`` (:func:`~.slicer.slicing_work`,
+    unsliced with the elements written), after the further slicing (if
     any) that the backward's memory model (:mod:`.slicer`) needs within ``cap`` elements.
     Refinement stages (slicing, reconfiguration) use FLOPs as usual."""
 
@@ -369,12 +372,13 @@ def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: O
 
 
 def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_dir=None,
-                     score=None, candidates=(), polish: Optional[Callable[[float, int], bool]] = None) -> PathResult:
+                     score=None, candidates=(), polish: Optional[Callable[[float, int], bool]] = None,
+                     reconfigure_minimize: str = "flops") -> PathResult:
     """Run cotengra optimizers on integer modes (cotengra wants single-character symbols) and
     keep the best tree by ``score`` (its own score for a single optimizer object), also among
     ``candidates`` (``(proxy, n, tree)``, filled by the searches: :attr:`PlanObjective.top`).
     When ``polish(work, trees)`` says the winner is worth it, its reconfigurations
-    (:func:`_reconfigured`) compete too. With ``cache_dir`` (HyperOptimizer options), a
+    (:func:`_reconfigured`, minimising ``reconfigure_minimize``) compete too. With ``cache_dir`` (HyperOptimizer options), a
     ``ReusableHyperOptimizer`` there keeps the tree finally chosen: a hit returns it as it is,
     the plan the search gave."""
     sym = symbols(sizes)
@@ -422,7 +426,7 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
             if value < best[0]:
                 best = (value, tree)
     if score is not None and polish is not None and polish(best[0], 1 + bool(best[1].sliced_inds)):
-        polished = [(score(t), t) for t in _reconfigured(best[1], c_in, c_out, c_sizes)]
+        polished = [(score(t), t) for t in _reconfigured(best[1], c_in, c_out, c_sizes, reconfigure_minimize)]
         best = min([best] + polished, key=lambda x: x[0])
     tree = best[1]
     if cache is not None:
@@ -443,8 +447,8 @@ class _MemoisedOptimal:
     across the sliced and unsliced trees of :func:`_reconfigured` (the benchmark lattices: 36-72
     calls, 12-44 distinct). The optimizer is a pure function of the key: same paths, less time."""
 
-    def __init__(self):
-        self._opt = path_basic.OptimalOptimizer(minimize="flops", accel=False)
+    def __init__(self, minimize: str = "flops"):
+        self._opt = path_basic.OptimalOptimizer(minimize=minimize, accel=False)
         self._memo = {}
         self.cost_cap = self._opt.cost_cap
 
@@ -458,13 +462,13 @@ class _MemoisedOptimal:
         return list(self._memo[key])
 
 
-def _reconfigured(tree, inputs, output, size_dict) -> list:
+def _reconfigured(tree, inputs, output, size_dict, minimize: str = "flops") -> list:
     """The chosen tree after cotengra's subtree reconfiguration (locally optimal subtrees, the
     refinement its default search gives every trial; 10-20x the cost of a greedy trial, so the
     budgeted search runs it on the winner only): the tree as sliced, and its contraction order
     unsliced (the planner then slices it afresh, which may slice other modes)."""
     unsliced = cotengra.ContractionTree.from_path(inputs, output, size_dict, path=tree.get_path())
-    kw = dict(subtree_size=RECONF_SUBTREE, minimize="flops", optimize=_MemoisedOptimal())
+    kw = dict(subtree_size=RECONF_SUBTREE, minimize=minimize, optimize=_MemoisedOptimal(minimize))
     out = [_seeded(lambda: unsliced.subtree_reconfigure(**kw))]
     if tree.sliced_inds:
         out.append(_seeded(lambda: tree.subtree_reconfigure(**kw)))
@@ -524,7 +528,7 @@ def _greedy_flops(inputs, output, sizes, path, flops_per_mac: float = 2.0) -> fl
 def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_slices: Optional[int],
               objective: Optional[Callable] = None, path_cache=None, select: Optional[Callable] = None,
               path_work: Optional[Callable] = None, path_exact_work: Optional[Callable] = None,
-              cache_key=(), flops_per_mac: float = 2.0) -> PathResult:
+              cache_key=(), flops_per_mac: float = 2.0, write_macs: float = 0.0) -> PathResult:
     """The path for the network ``inputs -> output`` (mode ids, extents ``sizes``).
 
     ``optimize``: "auto" (see the module docstring), "greedy" (opt_einsum's, fast), "optimal",
@@ -536,7 +540,10 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
     limit or ``min_slices`` (a greedy path cheap unsliced can be costly sliced), and
     ``path_exact_work`` the same after any further slicing (what ``select`` scores), asked
     before "auto" settles for the greedy path; ``flops_per_mac``: real FLOPs per multiply-add
-    (2; 8 for complex operands), which the search budget's time estimates count; ``path_cache``:
+    (2; 8 for complex operands), which the search budget's time estimates count; ``write_macs``:
+    what ``objective`` charges per element an intermediate writes (:data:`~.slicer.WRITE_MACS`
+    unsliced), which the winner's subtree reconfiguration then minimises with the multiply-adds
+    (cotengra's "combo" objective of that weight); ``path_cache``:
     the on-disk cache's directory (None: ``$TORCH_GRADOPS_PATH_CACHE`` or no disk cache), its
     entries keyed by the search options and ``cache_key`` (what else shapes the objective)."""
     n = len(inputs)
@@ -591,7 +598,8 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
             try:
                 return _cotengra_search(opts, inputs, output, sizes, "cotengra", _cache_directory(path_cache, key),
                                         score=select, candidates=obj.top if isinstance(obj, PlanObjective) else (),
-                                        polish=lambda work, trees: worth_polishing(n, work, trees, flops_per_mac))
+                                        polish=lambda work, trees: worth_polishing(n, work, trees, flops_per_mac),
+                                        reconfigure_minimize=f"combo-{write_macs:g}" if write_macs else "flops")
             finally:
                 _HOPELESS_SIZE.reset(token)
         try:

@@ -369,6 +369,9 @@ class _Slicing:
         # ``reserve``: elements held besides the slice's own (a hoisted plan's slice-invariant
         # tensors and their gradients, see _hoist)
         self.cap = None if limit_elems is None else slicer.MODEL_CAP * limit_elems - reserve
+        # unsliced: intermediates as large as the tree makes them, whose writes can cost more
+        # than their multiply-adds (slicer.WRITE_MACS)
+        self.write_macs = slicer.WRITE_MACS if limit_elems is None and not min_slices and not forced else 0.0
         self._final = {}
         self._chosen = {}
 
@@ -415,7 +418,7 @@ class _Slicing:
         costs = slicer.StepCosts(steps, slicer.chunked_sizes(net.sizes, splits), set(sliced))
         peak, recompute = self._peak_of(None)(costs)
         nslices = math.prod(net.sizes[m] for m in sliced) * math.prod(splits.values())
-        return peak, slicer.slicing_work(costs, nslices, recompute)
+        return peak, slicer.slicing_work(costs, nslices, recompute, self.write_macs)
 
     def finalize(self, path, suggested=(), itemsize=8):
         """``(path, steps, sliced, splits, work)`` for a path: scheduled (:meth:`schedule`),
@@ -572,7 +575,8 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
                                 objective=score_tree, path_cache=path_cache, select=select_tree,
                                 path_work=slicing_.work,
                                 path_exact_work=lambda path: slicing_.finalize(path, (), itemsize)[-1],
-                                cache_key=cache_key, flops_per_mac=8.0 if dtype.is_complex else 2.0)
+                                cache_key=cache_key, flops_per_mac=8.0 if dtype.is_complex else 2.0,
+                                write_macs=slicing_.write_macs)
         PLANS.keep_path(path_key, found)
     path, steps, sliced, splits, _ = slicing_.finalize(found.path, found.sliced, itemsize)
     unsplit = network  # for the error below (the split network renumbers modes)

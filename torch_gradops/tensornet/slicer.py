@@ -29,7 +29,7 @@ from .. import library
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
            "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
-           "slicing_work", "STEP_OVERHEAD_MACS", "MAX_SLICES", "Slices", "as_int"]
+           "slicing_work", "STEP_OVERHEAD_MACS", "WRITE_MACS", "MAX_SLICES", "Slices", "as_int"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
 # BACKWARD_FACTOR * L beyond the operands, their gradients and the output, whatever the number
@@ -367,13 +367,26 @@ def choose_sliced(steps, sizes, output, limit_elems: Optional[int], min_slices: 
 # Per executor step and slice, what a step costs besides its multiply-adds, in multiply-adds
 # (dispatch and bookkeeping, a few microseconds on CPU): plans of many tiny slices pay it.
 STEP_OVERHEAD_MACS = 1e5
+# What writing one element of an intermediate costs an unsliced plan, in multiply-adds. Unsliced
+# intermediates can be far larger than the caches, and trees with few multiply-adds per element
+# written then run at memory speed: the 6x6 PEPS norm of bond 3 (float32, AMD EPYC VM, 2 threads)
+# ran its tree of least multiply-adds (2.2e9, 2.1e8 elements written) in 430-600 ms, opt_einsum's
+# greedy one (1.05e10, 7.7e7) in 400-410 ms, and the tree found with this weight (2.9e9, 2.8e7)
+# in 90-140 ms (16: 2.4e9, 1.6e8, 350-400 ms; 64: the same tree as 32). About 60 makes the first
+# two trees cost what they took; 32 is half that and half cotengra's "combo" default (64), and
+# kept every other measured unsliced plan as fast or faster (lattices, circuits). Sliced plans keep their intermediates within the limit and weigh 0: on
+# the benchmark lattices the weight changed no sliced plan for the better and made the search
+# settle on a worse one (5x5, bond 16, 1 MiB: 512 slices instead of 128).
+WRITE_MACS = 32.0
 
 
-def slicing_work(costs: StepCosts, nslices: int, recompute: float = 0.0) -> float:
+def slicing_work(costs: StepCosts, nslices: int, recompute: float = 0.0, write_macs: float = 0.0) -> float:
     """The planner's cost of a sliced path, in multiply-adds: per slice the forward + backward
-    (3 x the forward), what the backward recomputes, and :data:`STEP_OVERHEAD_MACS` per step
-    of each of the three passes."""
-    return nslices * (3.0 * costs.flops() + recompute + 3 * STEP_OVERHEAD_MACS * len(costs.result))
+    (3 x the forward, each forward step's result charged ``write_macs`` per element:
+    :data:`WRITE_MACS` for unsliced plans), what the backward recomputes, and
+    :data:`STEP_OVERHEAD_MACS` per step of each of the three passes."""
+    forward = costs.flops() + write_macs * sum(costs.result) if write_macs else costs.flops()
+    return nslices * (3.0 * forward + recompute + 3 * STEP_OVERHEAD_MACS * len(costs.result))
 
 
 def chunked_sizes(sizes: Dict[int, int], splits: Dict[int, int]) -> Dict[int, int]:
