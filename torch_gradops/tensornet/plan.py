@@ -406,8 +406,9 @@ class _Slicing:
         return _checkpointed_peak(self.cap, copies, self.is_complex)
 
     def _chunked(self, steps, sliced, peak_of):
-        """``(splits, sliced)``: :func:`~.slicer.chunk_sliced` under a limit; else unchanged."""
-        if self.limit_elems is None:
+        """``(splits, sliced)``: :func:`~.slicer.chunk_sliced` under a limit or ``min_slices``
+        (8 slices of two modes of extent 4: one whole, one in 2 chunks); else unchanged."""
+        if self.limit_elems is None and not self.min_slices:
             return {}, sliced
         return slicer.chunk_sliced(steps, self.network.sizes, self.network.output, sliced, set(self.forced),
                                    self.limit_elems, self.min_slices, self.cap, peak_of)
@@ -433,7 +434,9 @@ class _Slicing:
         net = self.network
         path, steps, sliced = self.choose(path, suggested)
         splits = {}
-        if self.limit_elems is not None:
+        if self.limit_elems is None and self.min_slices:
+            splits, sliced = self._chunked(steps, sliced, self._peak_of(None))
+        elif self.limit_elems is not None:
             # the compiled layout's copies matter only where some layout could exceed the cap
             fits = not sliced and _any_layout_peak(slicer.step_costs(steps, net.sizes, ()), self.is_complex) <= self.cap
             peak_of = self._peak_of(None if fits else _copies(net, path, sliced, itemsize, self.is_complex))

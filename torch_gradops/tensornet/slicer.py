@@ -398,11 +398,11 @@ def _divisors(e: int) -> List[int]:
     return [d for d in range(2, e + 1) if e % d == 0]
 
 
-def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: int, min_slices: Optional[int],
+def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: Optional[int], min_slices: Optional[int],
                  cap: Optional[float], peak_of) -> Tuple[Dict[int, int], List[int]]:
     """Whole-sliced modes (``sliced`` but not ``keep``) taken in chunks where fewer slices do:
     each, last chosen first, is sliced in the fewest chunks that keep every intermediate of a
-    slice within ``limit_elems``, ``min_slices`` slices and the modelled peak within ``cap``
+    slice within ``limit_elems`` (None: no limit), ``min_slices`` slices and the modelled peak within ``cap``
     (``peak_of(costs)``: as in :func:`split_to_fit`; a mode of extent 16 sliced where 4 chunks
     would fit costs 4x the slices). Returns
     ``(splits, sliced)``: mode -> chunks, and the modes still sliced whole."""
@@ -423,7 +423,8 @@ def chunk_sliced(steps, sizes, output, sliced, keep, limit_elems: int, min_slice
             s2 = dict(sizes)
             s2[m] = e // f
             set2 = sset - {m}
-            if max(math.prod(s2[x] for x in r if x not in set2) for r in res_sets) > limit_elems:
+            if limit_elems is not None and max(math.prod(s2[x] for x in r if x not in set2)
+                                               for r in res_sets) > limit_elems:
                 continue
             if cap is not None and peak_of(StepCosts(steps, s2, set2))[0] > cap:
                 continue
