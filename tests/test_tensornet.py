@@ -2882,6 +2882,22 @@ def test_unsliced_search_weighs_the_elements_intermediates_write(monkeypatch):
     tn.clear_plan_cache()
 
 
+def test_auto_searches_when_slicing_the_greedy_path_costs_more_than_the_search():
+    """A 24-tensor PEPS norm (complex64) at 16 KiB: the greedy path's plan (256 slices, 10x its
+    unsliced work, 99 ms forward + backward) was estimated too cheap to be worth two trials, so
+    "auto" kept it, though at 8 KiB it searched and found 54 slices. What slicing adds to the
+    greedy path's work now bounds the search too: 9 slices, 6 ms."""
+    from torch_gradops.testing import peps_norm_network
+    inputs, output, arrays = peps_norm_network(3, 4, 3, seed=0, dtype=torch.complex64)
+    args = interleave(inputs, arrays, output)
+    greedy = tn.plan(*args, memory_limit=16384, optimize="greedy", max_overhead=None)
+    auto = tn.plan(*args, memory_limit=16384, max_overhead=None)
+    assert greedy.num_slices >= 128
+    assert auto.optimizer == "cotengra" and auto.num_slices <= 32
+    assert 3 * auto.flops + auto.recompute_flops < (3 * greedy.flops + greedy.recompute_flops) / 4
+    _close(auto(*arrays), greedy(*arrays), rtol=1e-4, atol=1e-6)
+
+
 def test_bad_option_values_name_the_option():
     a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     for limit in ("1e400", 10 ** 400, 2 ** 63, "10000000TB"):

@@ -138,6 +138,13 @@ def search_budget(n_operands: int, flops: float, sliced_flops: Optional[float] =
     sliced = sliced_flops is not None if sliced is None else sliced
     cap = _budget_cap(n_operands)
     worth = _trials_worth(n_operands, max(3 * flops, sliced_flops or 0.0), sliced)
+    if sliced_flops is not None and sliced_flops > 3 * flops:
+        # What slicing adds to the greedy path's work is what a tree with smaller intermediates
+        # can save: a search may cost up to that (at worst the call takes twice the greedy
+        # plan's overhead). A 24-tensor PEPS norm (complex64) at 16 KiB: greedy's 256 slices ran
+        # 99 ms forward + backward, 10x its unsliced work, where 8 trials (25 ms) find 9 slices
+        # of 6 ms.
+        worth = max(worth, _trials_worth(n_operands, (sliced_flops - 3 * flops) / SEARCH_FRACTION, sliced))
     least = MIN_TRIALS if sliced else MIN_UNSLICED_TRIALS
     return {"min_repeats": max(0, min(cap, least, worth)), "max_repeats": cap}
 
