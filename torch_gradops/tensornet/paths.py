@@ -96,6 +96,8 @@ BATCH = 4                 # further trials are run this many at a time
 RECONF_SUBTREE = 6        # leaves per reconfigured subtree (cotengra's default, 8, costs twice as much; on the
                           # benchmark lattices and circuits it found trees no better)
 RECONF_S_PER_OPERAND = 5e-4  # about what reconfiguring one tree costs per operand (lattices of 25-36 operands)
+RUNNER_UP_RATIO = 1.5     # unsliced: the runner-up within this factor of the winner's score is reconfigured too
+                          # (where reconfiguring two trees is worth it; 0: the winner only)
 POLISH_FRACTION = 0.5     # of the best plan's estimated time, at most, spent reconfiguring it
 
 
@@ -385,7 +387,9 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
     keep the best tree by ``score`` (its own score for a single optimizer object), also among
     ``candidates`` (``(proxy, n, tree)``, filled by the searches: :attr:`PlanObjective.top`).
     When ``polish(work, trees)`` says the winner is worth it, its reconfigurations
-    (:func:`_reconfigured`, minimising ``reconfigure_minimize``) compete too. With ``cache_dir`` (HyperOptimizer options), a
+    (:func:`_reconfigured`, minimising ``reconfigure_minimize``) compete too, and, unsliced, the
+    runner-up's, when its score is within :data:`RUNNER_UP_RATIO` of the winner's and two
+    reconfigurations are worth it. With ``cache_dir`` (HyperOptimizer options), a
     ``ReusableHyperOptimizer`` there keeps the tree finally chosen: a hit returns it as it is,
     the plan the search gave."""
     sym = symbols(sizes)
@@ -425,15 +429,24 @@ def _cotengra_search(optimizers, inputs, output, sizes, name="cotengra", cache_d
     if not searched:  # the cached choice of an earlier search, as it chose it
         tree = best[1]
         return PathResult([tuple(p) for p in tree.get_path()], [back[s] for s in tree.sliced_inds], name, False, 0.0)
+    runner_up = None  # the next best tree by exact score
     if score is not None and candidates:  # the searches' proxy-best trees, scored exactly
         for proxy, _, tree in candidates:
             if proxy > 4 * candidates[0][0]:
                 break  # far behind by the proxy: not worth an exact score
             value = score(tree)
             if value < best[0]:
-                best = (value, tree)
+                best, value, tree = (value, tree), best[0], best[1]
+            if tree.get_path() != best[1].get_path() and (runner_up is None or value < runner_up[0]):
+                runner_up = (value, tree)
     if score is not None and polish is not None and polish(best[0], 1 + bool(best[1].sliced_inds)):
         polished = [(score(t), t) for t in _reconfigured(best[1], c_in, c_out, c_sizes, reconfigure_minimize)]
+        if (not best[1].sliced_inds and runner_up is not None and not runner_up[1].sliced_inds
+                and runner_up[0] <= RUNNER_UP_RATIO * best[0] and polish(best[0], 2)):
+            # which of two close trees reconfigures better is not foretold by their scores (a
+            # 6x6 complex lattice: trees of 1.73e9 and 1.98e9 became 1.07e9 and 7.9e8)
+            polished += [(score(t), t) for t in _reconfigured(runner_up[1], c_in, c_out, c_sizes,
+                                                               reconfigure_minimize)]
         best = min([best] + polished, key=lambda x: x[0])
     tree = best[1]
     if cache is not None:
