@@ -251,6 +251,46 @@ def check_coo_adjacency_shared_with_pyg_layers(pyg_cls, our_cls):
     close(x.grad, 2 * torch.autograd.grad(theirs(x, adj_t).sum(), x)[0])
 
 
+def check_coo_adjacency_flagged_coalesced_by_pyg(pyg_cls, our_cls):
+    """An uncoalesced ``torch.sparse`` COO ``adj_t`` with duplicate entries that a PyG layer read
+    first (its ``to_edge_index`` flags the tensor coalesced without merging them): ours took the
+    flag at its word and kept the duplicates (0.28 off PyG's output, whose self-loop step merges
+    them), and ``return_attention_weights`` failed ("indices and values must have same nnz")."""
+    from torch_geometric.nn import GCNConv
+    torch.manual_seed(0)
+    n = 12
+    ei = torch.randint(0, n, (2, 40))
+    ei = torch.cat([ei, ei[:, :5]], 1)  # duplicate edges
+
+    def fresh():
+        return torch.sparse_coo_tensor(ei.flip(0), torch.ones(ei.size(1)), (n, n))
+    x = torch.randn(n, 5)
+    theirs, ours = make_pair(pyg_cls, our_cls, 5, 4, heads=2)
+    want = theirs(x, fresh(), return_attention_weights=True)
+    adj = fresh()
+    GCNConv(5, 5)(x, adj)
+    assert adj.is_coalesced()  # flagged, duplicates and all
+    got = ours(x, adj, return_attention_weights=True)
+    close(got[0], want[0])
+    (adj_got, alpha_got), (adj_want, alpha_want) = got[1], want[1]
+    assert adj_got.layout == adj_want.layout and alpha_got.shape == alpha_want.shape
+    close(adj_got.to_dense(), adj_want.to_dense())
+    close(ours(x, adj), theirs(x, adj))
+    close(ours(x, fresh()), want[0])
+
+
+def check_non_tensor_edge_index_is_refused(our_cls):
+    """None, a tuple of rows or a list as ``edge_index`` got "cannot create weak reference to
+    'tuple' object" from the graph cache; now the message names edge_index and its forms."""
+    layer = our_cls(5, 4, heads=2)
+    x = torch.randn(6, 5)
+    ei = torch.tensor([[0, 1, 2], [1, 2, 3]])
+    for bad in (None, (ei[0], ei[1]), ei.tolist()):
+        with pytest.raises(ValueError, match=r"edge_index must be a \[2, E\] integer Tensor.*got "
+                                             + type(bad).__name__):
+            layer(x, bad)
+
+
 def check_edge_index_sparse_size(pyg_cls, our_cls):
     """An ``EdgeIndex`` whose ``sparse_size`` disagrees with the features is refused exactly
     where PyG's layer refuses it (its propagate checks the sizes, after the self-loops widen

@@ -22,6 +22,7 @@ from torch_gradops.nn import adjacency  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
+                         check_coo_adjacency_flagged_coalesced_by_pyg, check_non_tensor_edge_index_is_refused,
                          check_edge_index_sparse_size, check_graph_edits_that_bypass_the_version_counter,
                          check_inference_tensor_graph_edits, close,
                          make_pair, random_graph, run_both)  # noqa: E402,F401
@@ -872,3 +873,24 @@ def test_graph_edits_that_bypass_the_version_counter_are_seen():
 
 def test_inference_pass_then_training():
     check_inference_pass_then_training(PyGGATConv, GATConv)
+
+
+def test_coo_adjacency_flagged_coalesced_by_a_pyg_layer_is_coalesced():
+    check_coo_adjacency_flagged_coalesced_by_pyg(PyGGATConv, GATConv)
+
+
+def test_non_tensor_edge_index_is_refused_with_a_clear_message():
+    check_non_tensor_edge_index_is_refused(GATConv)
+
+
+def test_no_edges_leave_edge_parameters_without_gradient():
+    """On a graph with no edges (and no self-loops added) PyG's edge_update returns before
+    lin_edge: lin_edge and att_edge get no gradient (None, which optimizers skip); ours gave
+    zero tensors."""
+    theirs, ours = pair(4, 3, heads=2, edge_dim=3, add_self_loops=False)
+    x, ei, ea = torch.randn(5, 4), torch.empty(2, 0, dtype=torch.long), torch.randn(0, 3)
+    theirs(x, ei, ea).sum().backward()
+    ours(x, ei, ea).sum().backward()
+    for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):
+        assert (p.grad is None) == (q.grad is None), name
+    assert ours.lin_edge.weight.grad is None and ours.att_edge.grad is None

@@ -17,6 +17,7 @@ from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
+                         check_coo_adjacency_flagged_coalesced_by_pyg, check_non_tensor_edge_index_is_refused,
                          check_edge_index_sparse_size, check_graph_edits_that_bypass_the_version_counter,
                          check_inference_tensor_graph_edits, close,
                          make_pair, random_graph, run_both)  # noqa: E402
@@ -336,3 +337,11 @@ def test_cached_edge_features_follow_the_dtype():
         clear_csc_cache()
         half(x.half(), ei, ea)
         assert torch.equal(layer(x, ei, ea), ref)
+
+
+def test_coo_adjacency_flagged_coalesced_by_a_pyg_layer_is_coalesced():
+    check_coo_adjacency_flagged_coalesced_by_pyg(PyGGATv2Conv, GATv2Conv)
+
+
+def test_non_tensor_edge_index_is_refused_with_a_clear_message():
+    check_non_tensor_edge_index_is_refused(GATv2Conv)

@@ -116,24 +116,60 @@ def edge_list(edge_index) -> Tuple[Tensor, Tensor, Optional[bool]]:
         if edge_index.dtype.is_floating_point or edge_index.dtype == torch.bool:
             raise ValueError(f"edge_index must be an integer tensor, got {edge_index.dtype}")
         return edge_index[0], edge_index[1], None
-    raise ValueError("edge_index must be a [2, E] integer Tensor, an EdgeIndex, a "
-                     f"torch.sparse adjacency or a torch_sparse.SparseTensor, got {type(edge_index).__name__}")
+    raise _not_an_adjacency(edge_index)
+
+
+def _not_an_adjacency(edge_index) -> ValueError:
+    return ValueError("edge_index must be a [2, E] integer Tensor, an EdgeIndex, a torch.sparse adjacency or a "
+                      f"torch_sparse.SparseTensor, got {type(edge_index).__name__}")
+
+
+# torch.sparse COO adj_t flagged coalesced -> (its indices' version, whether they are sorted and
+# unique): held weakly, so a tensor is checked once per version (on a GPU the check synchronises)
+_COO_CHECKS = WeakIdKeyDictionary()
+
+
+def _is_coalesced(adj) -> bool:
+    """Whether a COO ``adj_t`` is coalesced in fact, not only by its flag: PyG's ``to_edge_index``
+    sets the flag (``_coalesced_(True)``) without merging duplicates, so a tensor that a PyG
+    layer read earlier in the model may carry duplicate or unsorted entries under it. One pass
+    over its ids, cached per tensor and version of its indices (the flag cannot be cleared)."""
+    if not adj.is_coalesced():
+        return False
+    if torch.compiler.is_compiling():  # no data-dependent check in a graph: the flag
+        return True
+    idx = adj._indices()
+    version = _version(idx)
+    hit = _COO_CHECKS.get(adj)
+    if hit is not None and version is not None and hit[0] == version:
+        return hit[1]
+    lin = idx[0] * adj.size(1) + idx[1]
+    ok = bool((lin[1:] > lin[:-1]).all()) if lin.numel() > 1 else True
+    if version is not None:
+        _COO_CHECKS[adj] = (version, ok)
+    return ok
 
 
 def coalesced_adjacency(edge_index, edge_attr: Optional[Tensor]):
-    """``edge_index`` as the layers read it: an uncoalesced ``torch.sparse`` COO ``adj_t`` as a
-    coalesced copy (duplicates merged), the graph PyG's layers use (with self-loops; without,
-    they refuse it), so that every later step sees one edge list; the caller's tensor is left
-    as it is (PyG's ``to_edge_index`` would mark it coalesced without coalescing it). With
-    ``edge_attr``, whose rows such a tensor cannot order, it is refused. (The copy is new each
-    call, so its graph conversion is not cached.)"""
+    """``edge_index`` as the layers read it: an uncoalesced ``torch.sparse`` COO ``adj_t`` (or
+    one flagged coalesced that is not, see :func:`_is_coalesced`) as a coalesced copy
+    (duplicates merged), the graph PyG's layers use (with self-loops; without, they refuse a
+    tensor not flagged coalesced), so that every later step sees one edge list; the caller's
+    tensor is left as it is (PyG's ``to_edge_index`` would mark it coalesced without
+    coalescing it). With ``edge_attr``, whose rows such a tensor cannot order, it is refused.
+    (The copy is new each call, so its graph conversion is not cached.) Anything but an
+    adjacency (None, a tuple of rows, a list) is refused here, before any cache sees it."""
+    if not isinstance(edge_index, (Tensor, SparseTensor)):
+        raise _not_an_adjacency(edge_index)
     if not (is_torch_sparse_tensor(edge_index) and edge_index.layout == torch.sparse_coo
-            and not edge_index.is_coalesced()):
+            and not _is_coalesced(edge_index)):
         return edge_index
     if edge_attr is not None:
         raise ValueError("edge_attr with an uncoalesced torch.sparse COO adjacency: its entries have no "
                          "edge order to match edge_attr's rows (PyG's layers merge or refuse them); "
                          "coalesce() it first")
+    if edge_index.is_coalesced():  # flagged but not: coalesce() would return it as it is
+        return torch.sparse_coo_tensor(edge_index._indices(), edge_index.values(), edge_index.shape).coalesce()
     return edge_index.coalesce()
 
 

@@ -156,6 +156,10 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         ``att_edge`` (no ``E x H x C`` tensor), the added loops' features by ``fill_value``."""
         if edge_attr is None or self.lin_edge is None:
             return None
+        if not torch.compiler.is_compiling() and edge_attr.size(0) == 0 and not num_loops:
+            # no edges: PyG's edge_update returns before lin_edge, whose parameters then get no
+            # gradient (None, which optimizers skip), not a zero one
+            return None
         w = self._fold(self.lin_edge, self.att_edge)
         # (half edge features, e.g. an autocast layer's output, meet float32 logits' w: cast)
         ea = edge_attr_2d(edge_attr, edge_index, w.dtype).to(w.dtype)
