@@ -2914,6 +2914,26 @@ def test_unsliced_search_reconfigures_a_close_runner_up(monkeypatch):
     tn.clear_plan_cache()
 
 
+def test_a_plan_whose_intermediate_exceeds_the_device_memory_is_refused(monkeypatch):
+    """Without a memory_limit, a plan whose largest intermediate alone is larger than the
+    device's memory was run until the allocator failed (on a CPU, the kernel killed the process:
+    a 60-tensor random tree's greedy plan needs a 47 GiB intermediate on a 24 GiB machine).
+    Now a ValueError that names memory_limit, before any work; with a limit it is sliced."""
+    import importlib
+    plan_module = importlib.import_module("torch_gradops.tensornet.plan")  # (tn.plan is the function)
+    monkeypatch.setattr(plan_module, "_device_memory", lambda device_type, index: 2 ** 20)  # 1 MiB
+    a = torch.randn(1000, requires_grad=True)
+    b = torch.randn(1000)
+    with pytest.raises(ValueError, match=r"largest intermediate is 3.8 MiB, more than the 1.0 MiB of memory of "
+                                         r"cpu: pass memory_limit"):
+        tn.contract("a,b->ab", a, b)
+    with pytest.raises(ValueError, match="pass memory_limit"):
+        tn.plan("a,b->ab", a, b).contract(a.detach(), b)
+    _close(tn.contract("a,b->", a, b), a.sum() * b.sum(), rtol=1e-4, atol=1e-3)  # fits: runs
+    x, y = torch.randn(64, 64), torch.randn(64, 64)
+    _close(tn.contract("ab,bc->ac", x, y, memory_limit=4096), x @ y, rtol=1e-5, atol=1e-4)
+
+
 def test_bad_option_values_name_the_option():
     a, b = torch.randn(3, 4, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
     for limit in ("1e400", 10 ** 400, 2 ** 63, "10000000TB"):

@@ -143,7 +143,23 @@ class ContractionPlan:
                 raise ValueError(f"operands of dtype {dtype} on a plan made for {self.dtype} under memory_limit="
                                  f"{format_bytes(self.memory_limit)}: their wider elements would exceed it; make the "
                                  f"plan for {dtype} (from the operands, or plan(..., dtype={dtype}))")
+        else:
+            self._check_fits(operands[0].device, dtype)
         return parser.preprocess(operands, self.network.pre, dtype)
+
+    def _check_fits(self, device: torch.device, dtype: torch.dtype) -> None:
+        """A plan without a limit whose largest intermediate alone is larger than the device's
+        memory cannot run: a clear error instead of the allocator's failure (or, on a CPU, the
+        kernel's out-of-memory kill of the process, after minutes of work)."""
+        if device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
+            return
+        need = self.largest_intermediate[0] * dtype.itemsize
+        have = _device_memory(device.type, device.index if device.type == "cuda" else None)
+        if need > have:
+            raise ValueError(
+                f"this plan's largest intermediate is {format_bytes(need)}, more than the {format_bytes(have)} of "
+                f"memory of {device}: pass memory_limit (bytes, '4GB' or '50%') to slice the contraction, or plan "
+                f"with a better optimize= (the plan: {self.flops:.3g} FLOPs, {self.optimizer})")
 
     # -- running ----------------------------------------------------------------------------
     def contract(self, *operands, slices=None, out: Optional[torch.Tensor] = None, accumulate: bool = False,
@@ -766,6 +782,14 @@ def _checkpointed_limit(network, path, steps, itemsize, is_complex) -> int:
         else:
             lo = mid + 1
     return math.ceil(lo / slicer.MODEL_CAP)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_memory(device_type: str, index: Optional[int]) -> int:
+    """Total memory of a device in bytes (physical memory for the CPU)."""
+    if device_type == "cuda" and index is None:
+        index = torch.cuda.current_device()
+    return slicer._device_memory(torch.device(device_type, index) if index is not None else torch.device(device_type))
 
 
 # ---------------------------------------------------------------------------- cache
