@@ -2919,9 +2919,8 @@ def test_a_plan_whose_intermediate_exceeds_the_device_memory_is_refused(monkeypa
     device's memory was run until the allocator failed (on a CPU, the kernel killed the process:
     a 60-tensor random tree's greedy plan needs a 47 GiB intermediate on a 24 GiB machine).
     Now a ValueError that names memory_limit, before any work; with a limit it is sliced."""
-    import importlib
-    plan_module = importlib.import_module("torch_gradops.tensornet.plan")  # (tn.plan is the function)
-    monkeypatch.setattr(plan_module, "_device_memory", lambda device_type, index: 2 ** 20)  # 1 MiB
+    from torch_gradops.tensornet import slicer
+    monkeypatch.setattr(slicer, "_device_memory", lambda device: 2 ** 20)  # 1 MiB
     a = torch.randn(1000, requires_grad=True)
     b = torch.randn(1000)
     with pytest.raises(ValueError, match=r"largest intermediate is 3.8 MiB, more than the 1.0 MiB of memory of "

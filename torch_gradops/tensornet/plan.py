@@ -154,7 +154,7 @@ class ContractionPlan:
         if device.type not in ("cpu", "cuda") or torch.compiler.is_compiling():
             return
         need = self.largest_intermediate[0] * dtype.itemsize
-        have = _device_memory(device.type, device.index if device.type == "cuda" else None)
+        have = slicer._device_memory(device)  # (an operand's CUDA device has its index)
         if need > have:
             raise ValueError(
                 f"this plan's largest intermediate is {format_bytes(need)}, more than the {format_bytes(have)} of "
@@ -782,14 +782,6 @@ def _checkpointed_limit(network, path, steps, itemsize, is_complex) -> int:
         else:
             lo = mid + 1
     return math.ceil(lo / slicer.MODEL_CAP)
-
-
-@functools.lru_cache(maxsize=None)
-def _device_memory(device_type: str, index: Optional[int]) -> int:
-    """Total memory of a device in bytes (physical memory for the CPU)."""
-    if device_type == "cuda" and index is None:
-        index = torch.cuda.current_device()
-    return slicer._device_memory(torch.device(device_type, index) if index is not None else torch.device(device_type))
 
 
 # ---------------------------------------------------------------------------- cache
