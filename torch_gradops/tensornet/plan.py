@@ -14,6 +14,7 @@ import torch
 from ..library import check_backend
 from .._transforms import not_compiled
 from .._units import format_bytes
+from ..graph import as_index
 from . import autograd, parser, paths, program, slicer
 from .compiler import compile_program
 
@@ -323,7 +324,7 @@ def _forced_modes(slicing, network: parser.Network):
             raise ValueError(f"slicing: unknown keys {sorted(bad)}; use 'modes' and/or 'min_slices'")
         min_slices = slicing.get("min_slices")
         if min_slices is not None:
-            min_slices = slicer.as_int(min_slices)
+            min_slices = as_index(min_slices)
             if min_slices is None or min_slices < 1:
                 raise ValueError(f"slicing: min_slices must be a positive int, got {slicing['min_slices']!r}")
         mode_list = slicing.get("modes", [])

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import operator
 import os
 import re
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
@@ -26,10 +25,11 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Union
 import torch
 
 from .. import library
+from ..graph import as_index
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
            "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
-           "slicing_work", "STEP_OVERHEAD_MACS", "WRITE_MACS", "MAX_SLICES", "Slices", "as_int"]
+           "slicing_work", "STEP_OVERHEAD_MACS", "WRITE_MACS", "MAX_SLICES", "Slices"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
 # BACKWARD_FACTOR * L beyond the operands, their gradients and the output, whatever the number
@@ -509,17 +509,6 @@ def split_to_fit(steps, sizes, output, sliced, cap: float, peak_of,
 
 
 # ---------------------------------------------------------------------------- slice ids
-def as_int(x) -> Optional[int]:
-    """``x`` as an int when it is one (ints, numpy integers, 0-dim integer tensors), else None
-    (bools, floats and anything else)."""
-    if isinstance(x, bool):
-        return None
-    try:
-        return operator.index(x)
-    except TypeError:
-        return None
-
-
 MAX_TABLE_ROWS = 1 << 16  # rows of one executor call: bounded, so no slice list is ever materialised
 
 
@@ -547,7 +536,7 @@ class Slices:
         """A slice group, checked: a range (None and ranges; O(1)) or a tuple of ids."""
         if slices is None:
             return range(self.count)
-        one = as_int(slices)  # an int, a numpy integer, a 0-dim integer tensor
+        one = as_index(slices)  # an int, a numpy integer, a 0-dim integer tensor
         if one is not None:
             slices = (one,)
         elif hasattr(slices, "tolist") and not isinstance(slices, (list, tuple, range)):
@@ -564,7 +553,7 @@ class Slices:
             raise TypeError(f"slices must be None, an int, a range or a list of slice ids, got {type(slices).__name__}")
         ids = []
         for s in slices:
-            i = as_int(s)
+            i = as_index(s)
             if i is None:
                 raise TypeError(f"slices: slice ids are ints, got {s!r} ({type(s).__name__})")
             if not 0 <= i < self.count:
