@@ -28,7 +28,7 @@ from .. import library
 from ..graph import as_index
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
-           "memory_model", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
+           "memory_model", "live_floor", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
            "slicing_work", "STEP_OVERHEAD_MACS", "WRITE_MACS", "MAX_SLICES", "Slices"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
@@ -236,6 +236,25 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     if trans is None:
         trans = _transients(costs, copies, complex_)
     return round(library._C.checkpointed_peak(costs.result, costs.consumer, trans, list(checkpoints)))
+
+
+def live_floor(costs: StepCosts, copies=None, complex_=False) -> int:
+    """Elements that any backward of one slice holds at some point, however much it recomputes:
+    the most the forward holds live at once (every result made earlier and read later) with a
+    step's own result and transients. The backward holds the gradients of that same set, so a
+    slicing whose floor is over the cap cannot be fitted by checkpoints (a lower bound of
+    :func:`memory_model` for every placement)."""
+    if not costs.result:
+        return 0
+    trans = _transients(costs, copies, complex_)
+    consumed = [0] * (len(costs.result) + 1)
+    for j, r in enumerate(costs.result):
+        consumed[costs.consumer[j]] += r
+    live = floor = 0
+    for j, r in enumerate(costs.result):
+        floor = max(floor, live + r + trans[j])
+        live += r - consumed[j]
+    return round(floor)
 
 
 def place_checkpoints(costs: StepCosts, cap: Optional[float], copies=None,
