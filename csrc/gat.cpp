@@ -43,6 +43,7 @@ void check_gat_forward_args(const at::Tensor& x_src, const at::Tensor& a_src, co
   // Checked here for every backend: the CUDA kernels have no destination to report it from (the
   // forward returned an uninitialised alpha and the backward's reverse-index assert killed the context).
   TORCH_CHECK(a_dst.size(0) > 0 || E == 0, "indices has ", E, " edges but a_dst has no destinations to hold them");
+  TORCH_CHECK(num_src > 0 || E == 0, "indices has ", E, " edges but x_src has no sources for them");
   if (edge_logits.has_value()) {
     check_shape(*edge_logits, {E, heads}, "edge_logits");
     check_logit_dtype(*edge_logits, x_src.scalar_type(), a_src.scalar_type(), "edge_logits");
@@ -164,6 +165,8 @@ GatSpmmArgs prepare_gat_spmm(const at::Tensor& weight, const at::Tensor& values,
   TORCH_CHECK(neighbors.scalar_type() == indptr.scalar_type(), "neighbors and indptr must share one dtype");
   TORCH_CHECK(neighbors.numel() == weight.size(0), "neighbors must have one entry per edge (weight.size(0) = ",
               weight.size(0), "), got ", neighbors.numel());
+  TORCH_CHECK(values.size(0) > 0 || neighbors.numel() == 0, "neighbors has ", neighbors.numel(),
+              " edges but values has no rows for them");
   check_same_device(values, "values", weight, "weight");
   check_same_device(values, "values", indptr, "indptr");
   check_same_device(values, "values", neighbors, "neighbors");
@@ -194,6 +197,8 @@ GatSddmmArgs prepare_gat_sddmm(const at::Tensor& a, const at::Tensor& b, const a
               " entries, got ", indptr.numel());
   TORCH_CHECK(a.size(0) > 0 || indices.numel() == 0, "indices has ", indices.numel(),
               " edges but a has no rows to hold them");
+  TORCH_CHECK(b.size(0) > 0 || indices.numel() == 0, "indices has ", indices.numel(),
+              " edges but b has no rows for them");
   check_same_device(a, "a", b, "b");
   check_same_device(a, "a", indptr, "indptr");
   check_same_device(a, "a", indices, "indices");

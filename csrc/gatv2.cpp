@@ -38,6 +38,7 @@ void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, 
   const int64_t E = indices.numel();
   // Checked here for every backend: the CUDA kernels have no destination to report it from.
   TORCH_CHECK(x_dst.size(0) > 0 || E == 0, "indices has ", E, " edges but x_dst has no destinations to hold them");
+  TORCH_CHECK(x_src.size(0) > 0 || E == 0, "indices has ", E, " edges but x_src has no sources for them");
   TORCH_CHECK(!edge_weight.has_value() || edge_attr.has_value(), "edge_weight was given without edge_attr");
   if (edge_attr.has_value()) {
     const at::Tensor& ea = *edge_attr;

@@ -716,6 +716,9 @@ def test_bad_op_inputs_raise_clear_errors():
     no_dst = (a_dst[:0], None, torch.full((1,), E, dtype=graph.indptr.dtype), graph.indices)
     with pytest.raises(RuntimeError, match="a_dst has no destinations"):
         ops.gat_forward(x, a_src, *no_dst, None, 0.2, 1.0, True)
+    # and edges but no source (the CUDA kernels' range asserts would abort the context)
+    with pytest.raises(RuntimeError, match="x_src has no sources for them"):
+        ops.gat_forward(x[:0], a_src[:0], a_dst, None, graph.indptr, graph.indices, None, 0.2, 1.0, False)
     rev = graph.reverse_index()
     with pytest.raises(RuntimeError, match="a_dst has no destinations"):
         ops.gat_backward(torch.zeros(0, *x.shape[1:]), None, torch.zeros(0, *x.shape[1:]),

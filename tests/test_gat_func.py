@@ -180,6 +180,10 @@ def test_primitive_errors_name_the_argument():
         (lambda: ops.gat_sddmm(torch.randn(nd + 1, 2, 3), v, ptr, idx), r"indptr must have a.size\(0\) \+ 1"),
         (lambda: ops.gat_sddmm(torch.randn(nd, 2, 3), v, ptr, bad), "indices: id .* out of range"),
         (lambda: ops.gat_sddmm(torch.randn(nd, 2, 3), v, ptr.int(), idx), "indices and indptr must share one dtype"),
+        # edges but no source rows: refused on the host (on CUDA the kernels' range asserts would
+        # abort the context; on the CPU they raise, as a range error)
+        (lambda: ops.gat_spmm(w, v[:0], ptr, idx, None), "values has no rows for them"),
+        (lambda: ops.gat_sddmm(torch.randn(nd, 2, 3), v[:0], ptr, idx), "b has no rows for them"),
     ]
     for call, msg in cases:
         with pytest.raises(RuntimeError, match=msg):

@@ -568,6 +568,8 @@ def test_bad_op_inputs_raise_clear_errors():
     with pytest.raises(RuntimeError, match="x_dst has no destinations"):  # edges but no destination
         ops.gatv2_forward(x, xd[:0], att, ea, w, torch.full((1,), E, dtype=graph.indptr.dtype), graph.indices,
                           None, 0.2, 1.0, True)
+    with pytest.raises(RuntimeError, match="x_src has no sources for them"):  # edges but no source
+        ops.gatv2_forward(x[:0], xd, att, ea, w, graph.indptr, graph.indices, None, 0.2, 1.0, True)
     rev = graph.reverse_index()
     out, lse, _ = ops.gatv2_forward(*args, graph.indptr, graph.indices, None, 0.2, 1.0, False)
     bwd = (torch.ones_like(out), None, out, lse, *args, graph.indptr, graph.indices)
