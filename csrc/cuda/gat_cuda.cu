@@ -24,26 +24,12 @@
 #include <limits>
 
 #include "../gat.h"
+#include "kernel_utils.cuh"
 
 namespace torch_gradops {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr int kThreads = 256;
-constexpr int64_t kMaxBlocks = 65535LL * 32;  // grid-stride beyond this
-
-__device__ __forceinline__ float fast_exp(float x) { return expf(x); }
-__device__ __forceinline__ double fast_exp(double x) { return exp(x); }
-__device__ __forceinline__ float fast_log(float x) { return logf(x); }
-__device__ __forceinline__ double fast_log(double x) { return log(x); }
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  // Fixed butterfly pattern: every lane ends with the same, order-determined sum.
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
+using namespace cuda_kernels;
 
 template <typename logit_t, typename acc_t>
 __device__ __forceinline__ acc_t score_logit(const logit_t* __restrict__ as, const logit_t* __restrict__ el,
@@ -51,22 +37,6 @@ __device__ __forceinline__ acc_t score_logit(const logit_t* __restrict__ as, con
   acc_t z = static_cast<acc_t>(as[j * H + h]) + adst;
   if (el) z += static_cast<acc_t>(el[e * H + h]);
   return z;
-}
-
-// Block shape for the per-(node, feature) kernels: x over features, y over nodes.
-dim3 feature_block(int64_t HC) {
-  int tx = 32;
-  while (tx < HC && tx < kThreads) tx *= 2;
-  return dim3(tx, kThreads / tx);
-}
-
-// Graph arrays are trusted by the host code (reading them there would synchronise), so each
-// node's edge range is checked where it is read: non-decreasing, within [0, E], and the first and
-// last node pin the ends to 0 and E (else edges past ptr[n] would be read by one kernel only).
-__device__ __forceinline__ void check_edge_range(int64_t e0, int64_t e1, int64_t node, int64_t nodes, int64_t E) {
-  CUDA_KERNEL_ASSERT(0 <= e0 && e0 <= e1 && e1 <= E && "edge pointer ranges must be non-decreasing, within [0, E]");
-  CUDA_KERNEL_ASSERT((node != 0 || e0 == 0) && "edge pointers must start at 0");
-  CUDA_KERNEL_ASSERT((node != nodes - 1 || e1 == E) && "edge pointers must end at E");
 }
 
 // kEdgeBatch: edges whose source ids, scores and rows a thread loads before it folds any of them
@@ -114,13 +84,13 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const logit_t
         if (eb + u >= e1) break;
         const acc_t s = sb[u];
         if (s > run_max) {  // rescale what was summed under the old maximum
-          const acc_t r = fast_exp(run_max - s);
+          const acc_t r = dev_exp(run_max - s);
           run_sum *= r;
           acc *= r;
           run_max = s;
         }
         // A -inf score (a masked edge) weighs 0, also when it comes first (run_max still -inf).
-        const acc_t p = s == neg_inf ? acc_t(0) : fast_exp(s - run_max);
+        const acc_t p = s == neg_inf ? acc_t(0) : dev_exp(s - run_max);
         run_sum += p;
         const acc_t w = mk ? (kb[u] ? p * keep_scale : acc_t(0)) : p;
         acc += w * xb[u];
@@ -129,12 +99,12 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const logit_t
     const bool empty = e0 == e1;
     out[i * HC + f] = static_cast<scalar_t>(empty ? acc_t(0) : acc / run_sum);
     if (head_leader) {
-      const acc_t l = empty ? neg_inf : run_max + fast_log(run_sum);
+      const acc_t l = empty ? neg_inf : run_max + dev_log(run_sum);
       lse[i * H + h] = l;
       if (alpha) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];
-          acc_t a = fast_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
+          acc_t a = dev_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
           if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
           alpha[e * H + h] = static_cast<logit_t>(a);
         }
@@ -174,7 +144,7 @@ __global__ void gat_backward_dst_kernel(
         for (int64_t e = e0 + lane; e < e1; e += kWarp) {
           const int64_t j = idx[e];
           CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
-          acc_t a = fast_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
+          acc_t a = dev_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
           if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
           part += a * static_cast<acc_t>(ga[e * H + h]);
         }
@@ -186,7 +156,7 @@ __global__ void gat_backward_dst_kernel(
       const int64_t j = idx[e];
       CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
       const acc_t z = score_logit(as, el, j, e, h, H, adst);
-      const acc_t alpha = fast_exp(leaky_relu(z, slope) - l);
+      const acc_t alpha = dev_exp(leaky_relu(z, slope) - l);
       const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
       if (need_dz) {
         acc_t part = 0;
@@ -236,17 +206,6 @@ __global__ void gat_backward_src_kernel(const scalar_t* __restrict__ g,
     if (gx) gx[j * HC + f] = static_cast<scalar_t>(accx);
     if (gas && head_leader) gas[j * H + h] = static_cast<logit_t>(accs);
   }
-}
-
-template <typename T>
-T* ptr_or_null(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
-dim3 feature_grid(int64_t nodes, int64_t HC, const dim3& block) {
-  TORCH_CHECK((HC + block.x - 1) / block.x <= 65535, "heads * channels too large for the CUDA kernels: ", HC);
-  const int64_t bx = std::min<int64_t>((nodes + block.y - 1) / block.y, kMaxBlocks);
-  return dim3(static_cast<unsigned>(std::max<int64_t>(bx, 1)), static_cast<unsigned>((HC + block.x - 1) / block.x));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
@@ -373,17 +332,6 @@ __global__ void gat_spmm_kernel(const scalar_t* __restrict__ w, const scalar_t* 
     }
     out[n * HC + f] = static_cast<scalar_t>(acc);
   }
-}
-
-// The CSC row holding position e: the largest i < rows with ptr[i] <= e.
-template <typename index_t>
-__device__ __forceinline__ int64_t csc_row_of(const index_t* __restrict__ ptr, int64_t rows, int64_t e) {
-  int64_t lo = 0, hi = rows - 1;
-  while (lo < hi) {
-    const int64_t mid = lo + (hi - lo + 1) / 2;
-    if (static_cast<int64_t>(ptr[mid]) <= e) lo = mid; else hi = mid - 1;
-  }
-  return lo;
 }
 
 // SDDMM: a group of `group` lanes (a power of two <= 32, >= min(C, 32)) per (edge, head) pair,

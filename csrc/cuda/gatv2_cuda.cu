@@ -31,41 +31,18 @@
 #include <limits>
 
 #include "../gatv2.h"
+#include "kernel_utils.cuh"
 
 namespace torch_gradops {
 namespace {
 
-constexpr int kWarp = 32;
-constexpr int kThreads = 256;
-constexpr int kWarpsPerBlock = kThreads / kWarp;
+using namespace cuda_kernels;
+
 constexpr int kPerLane = 4;                           // output channels per lane
 constexpr int64_t kChannelBlock = kWarp * kPerLane;   // channels per warp
 constexpr int kEdgeDimBlock = 8;                      // edge_weight rows per warp (params kernel)
-constexpr int64_t kMaxBlocks = 65535LL * 32;          // grid-stride beyond this
 constexpr int64_t kMaxChunks = 1024;                  // edge chunks of the params kernel
 constexpr int64_t kPartialBudget = int64_t(1) << 23;  // partial values in all
-
-__device__ __forceinline__ float dev_exp(float x) { return expf(x); }
-__device__ __forceinline__ double dev_exp(double x) { return exp(x); }
-__device__ __forceinline__ float dev_log(float x) { return logf(x); }
-__device__ __forceinline__ double dev_log(double x) { return log(x); }
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-  // Fixed butterfly pattern: every lane ends with the same, order-determined sum.
-#pragma unroll
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-// Graph arrays are trusted by the host code (reading them there would synchronise), so each
-// node's edge range is checked where it is read: non-decreasing, within [0, E], and the first and
-// last node pin the ends to 0 and E (else edges past ptr[n] would be read by one kernel only).
-__device__ __forceinline__ void check_edge_range(int64_t e0, int64_t e1, int64_t node, int64_t nodes, int64_t E) {
-  CUDA_KERNEL_ASSERT(0 <= e0 && e0 <= e1 && e1 <= E && "edge pointer ranges must be non-decreasing, within [0, E]");
-  CUDA_KERNEL_ASSERT((node != 0 || e0 == 0) && "edge pointers must start at 0");
-  CUDA_KERNEL_ASSERT((node != nodes - 1 || e1 == E) && "edge pointers must end at E");
-}
 
 // The read-only inputs every kernel needs to form z[e, f] = x_src[j, f] + x_dst[i, f] + ep[e, f].
 template <typename scalar_t>
@@ -275,21 +252,6 @@ __global__ void gatv2_backward_dst_kernel(
   }
 }
 
-// The destination of CSC position e: the last i with ptr[i] <= e (ptr is non-decreasing).
-template <typename index_t>
-__device__ __forceinline__ int64_t csc_destination(const index_t* __restrict__ ptr, int64_t num_dst, int64_t e) {
-  int64_t lo = 0, hi = num_dst;  // invariant: ptr[lo] <= e < ptr[hi]
-  while (hi - lo > 1) {
-    const int64_t mid = lo + (hi - lo) / 2;
-    if (static_cast<int64_t>(ptr[mid]) <= e) {
-      lo = mid;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
 // Per-chunk partials of grad att [n_chunks, HC] and grad edge_weight [n_chunks, K, HC]. A warp
 // per (chunk, 32 features, kEdgeDimBlock edge dims); lane = feature. Each partial element has
 // one owner, which sums its chunk's edges in edge order.
@@ -315,7 +277,7 @@ __global__ void gatv2_backward_params_kernel(Preact<scalar_t> P, const at::opmat
     acc_t att_acc = 0, w_acc[kEdgeDimBlock];
 #pragma unroll
     for (int r = 0; r < kEdgeDimBlock; ++r) w_acc[r] = 0;
-    int64_t i = e_begin < e_end ? csc_destination(ptr, num_dst, e_begin) : 0;
+    int64_t i = e_begin < e_end ? csc_row_of(ptr, num_dst, e_begin) : 0;
     for (int64_t e = e_begin; e < e_end; ++e) {
       while (i + 1 < num_dst && static_cast<int64_t>(ptr[i + 1]) <= e) ++i;  // next destination (CSC order)
       const int64_t j = idx[e];
@@ -416,29 +378,6 @@ __global__ void gatv2_backward_src_kernel(Preact<scalar_t> P, const scalar_t* __
     }
     gxs[j * HC + f] = static_cast<scalar_t>(accx);
   }
-}
-
-template <typename T>
-T* ptr_or_null(const at::Tensor& t) {
-  return t.defined() ? t.data_ptr<T>() : nullptr;
-}
-
-unsigned warp_grid(int64_t warps) {
-  return static_cast<unsigned>(std::max<int64_t>(1, std::min<int64_t>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock,
-                                                                     kMaxBlocks)));
-}
-
-// Block shape for the per-(node, feature) kernel: x over features, y over nodes.
-dim3 feature_block(int64_t HC) {
-  int tx = 32;
-  while (tx < HC && tx < kThreads) tx *= 2;
-  return dim3(tx, kThreads / tx);
-}
-
-dim3 feature_grid(int64_t nodes, int64_t HC, const dim3& block) {
-  TORCH_CHECK((HC + block.x - 1) / block.x <= 65535, "heads * channels too large for the CUDA kernels: ", HC);
-  const int64_t bx = std::min<int64_t>((nodes + block.y - 1) / block.y, kMaxBlocks);
-  return dim3(static_cast<unsigned>(std::max<int64_t>(bx, 1)), static_cast<unsigned>((HC + block.x - 1) / block.x));
 }
 
 template <typename scalar_t>
