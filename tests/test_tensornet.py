@@ -539,6 +539,24 @@ def test_long_chain_under_a_tiny_limit_is_refused_quickly(monkeypatch):
     _close(p.contract(*ops), tn.plan(*args, optimize="greedy").contract(*ops), rtol=1e-5, atol=0)
 
 
+def test_max_overhead_measures_against_a_cheaper_unsliced_path():
+    """max_overhead compares a plan with the cheaper of its own path's unsliced FLOPs and
+    opt_einsum's greedy path's: a 16-site MPS norm of bond 8 at 128 B gets a searched path of
+    1.9e7 FLOPs unsliced, which 262,144 slices take to 1.1e9 (59x that, but 2.2e4x the greedy
+    path's 5.1e4, an estimated 16 s for a contraction of microseconds), and was accepted (a
+    40-site MPS expectation of bond 32 at 8 KiB, 1.4e11 slices estimated at months, was too).
+    The error names the yardstick and the greedy path's largest intermediate."""
+    inputs, out, ops = mps_network(16, bond=8)
+    args = interleave(inputs, ops, out)
+    with pytest.raises(ValueError, match="too expensive.*x opt_einsum's greedy path's unsliced .*greedy path's is "
+                                         "512 B") as err:
+        tn.plan(*args, memory_limit=128)
+    p = tn.plan(*args, memory_limit=128, max_overhead=None)
+    greedy = tn.plan(*args, optimize="greedy")
+    assert p.flops <= 1e4 * p.unsliced_flops and p.flops > 1e4 * greedy.flops
+    assert f"{greedy.flops:.3g}" in str(err.value)
+
+
 @pytest.mark.parametrize("optimize", ["greedy", "auto"])
 def test_limits_past_int64_slices_are_refused(optimize):
     """Limits so small that slicing to them takes more than 2^62 slices (the executor numbers

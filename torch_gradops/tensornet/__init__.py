@@ -31,7 +31,8 @@ forward and backward in one pass), which saves the recomputation. ``create_graph
 forward-mode AD express the derivative of a network as further networks and contract them with
 the same Function, so they are differentiable again. Slice ids are never listed: a plan with
 2^40 slices costs nothing until run, and plans whose slicing costs more than ``max_overhead``
-times the unsliced FLOPs are refused with advice.
+times the unsliced FLOPs (of their own path, or of a greedy one where that is cheaper) are
+refused with advice.
 
 Modules, one concern each: :mod:`.parser` (expressions, labels, the effective network),
 :mod:`.paths` (path search), :mod:`.slicer` (memory limits, memory model, checkpoints, sliced

@@ -86,7 +86,9 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     :attr:`ContractionPlan.sliced_modes` lists them) slices its mode in that many ranges, so a
     plan's ``sliced_modes`` and ``path`` give the same plan again.
     ``max_overhead``: refuse (ValueError) a plan whose sliced FLOPs exceed this multiple of the
-    same path unsliced, with advice; None creates it anyway (its slice groups can still be
+    same path unsliced, or of opt_einsum's greedy path unsliced where that is cheaper (a path
+    found under a tight limit can cost far more unsliced than a good one), with advice; None
+    creates it anyway (its slice groups can still be
     contracted one at a time: slice ids are never listed, so even 2^40 slices cost nothing
     until run).
     """

@@ -57,7 +57,7 @@ from opt_einsum.paths import linear_to_ssa
 from .slicer import MAX_SLICES
 
 __all__ = ["PathResult", "find_path", "cache_root", "check_path", "heavy_last", "search_budget", "wants_more",
-           "worth_polishing", "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
+           "worth_polishing", "reference_costs", "BudgetedHyperOptimizer", "PlanObjective", "SMALL", "SEED",
            "PATH_CACHE_ENV", "symbols"]
 
 SMALL = 8            # up to this many operands "auto" asks opt_einsum (exact / branch-and-bound)
@@ -543,6 +543,16 @@ def _empty_network_path(inputs, output, sizes) -> PathResult:
 def _greedy_flops(inputs, output, sizes, path, flops_per_mac: float = 2.0) -> float:
     from .slicer import step_costs, step_table
     return flops_per_mac * step_costs(step_table(inputs, output, path), sizes, ()).flops()
+
+
+def reference_costs(inputs, output, sizes, flops_per_mac: float = 2.0) -> Tuple[float, int]:
+    """``(FLOPs, largest intermediate in elements)`` of opt_einsum's greedy path, unsliced: the
+    yardstick of ``max_overhead`` where a plan's own path costs more unsliced (a path searched
+    under a tight limit can be astronomically costly unsliced, and its slicing then looks cheap
+    next to that)."""
+    from .slicer import step_costs, step_table
+    costs = step_costs(step_table(inputs, output, _greedy_path(inputs, output, sizes)), sizes, ())
+    return flops_per_mac * costs.flops(), costs.largest
 
 
 def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_slices: Optional[int],

@@ -609,10 +609,24 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
                            checkpoints=checkpoints, copies=copies, search_s=found.search_s)
     if hoist and HOIST and slicing_.cap is not None and plan.num_slices > 1:
         _hoist(plan, slicing_.cap)
-    if max_overhead is not None and plan.flops > max_overhead * max(plan.unsliced_flops, 1):
+    base, of, greedy_largest = max(plan.unsliced_flops, 1), "the unsliced", None
+    if max_overhead is not None and base < plan.flops <= max_overhead * base and \
+            plan.flops > max_overhead * 2 * max((math.prod(unsplit.sizes[m] for m in t) for t in unsplit.inputs),
+                                                default=1):
+        # (no path does fewer multiply-adds than its largest operand has elements: below that the
+        # greedy path cannot be the cheaper yardstick)
+        greedy, largest = paths.reference_costs(unsplit.inputs, unsplit.output, unsplit.sizes,
+                                                8.0 if dtype.is_complex else 2.0)
+        if greedy < base:
+            base, of, greedy_largest = max(greedy, 1), "opt_einsum's greedy path's unsliced", largest
+    if max_overhead is not None and plan.flops > max_overhead * base:
         unsliced_largest = _unsliced_largest(steps, unsplit.sizes)
         why = f"the unsliced largest intermediate is {format_bytes(unsliced_largest * itemsize)}"
-        if limit is not None and unsliced_largest <= limit_elems:
+        if greedy_largest is not None:
+            why = (f"the slicing found needs a path whose unsliced largest intermediate is "
+                   f"{format_bytes(unsliced_largest * itemsize)}; opt_einsum's greedy path's is "
+                   f"{format_bytes(greedy_largest * itemsize)}")
+        elif limit is not None and unsliced_largest <= limit_elems:
             # every intermediate fits: the backward's checkpoints of a long path do not
             need = _checkpointed_limit(unsplit, path, steps, itemsize, dtype.is_complex)
             why = (f"every intermediate fits it unsliced, but the backward of {len(steps)} steps needs about "
@@ -620,7 +634,7 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
                    f"them little")
         raise ValueError(
             f"this plan is too expensive: {plan.num_slices} slices cost {plan.flops:.3g} FLOPs, "
-            f"{plan.flops / max(plan.unsliced_flops, 1):.3g}x the unsliced {plan.unsliced_flops:.3g} "
+            f"{plan.flops / base:.3g}x {of} {base:.3g} "
             f"(estimated {_seconds(plan.estimated_seconds(False))} forward on {device_type}); raise "
             f"memory_limit (now {format_bytes(limit) if limit is not None else None}; {why}), slice fewer "
             f"modes, or pass max_overhead=None to create it anyway and contract slice groups of it lazily")
