@@ -2297,6 +2297,32 @@ def test_torch_compile_fullgraph_matches_eager():
         _close(x, y)
 
 
+@pytest.mark.parametrize("slicing", [None, ["c"]])
+def test_torch_compile_one_tensor_as_several_operands(slicing):
+    """One tensor passed as several operands (a state or gate reused in a circuit) compiles with
+    fullgraph=True, the trainable one's gradient summing its uses: Dynamo refused the Function
+    ("duplicate tensor input") while torch.einsum compiled."""
+    gen = torch.Generator().manual_seed(22)
+    zero = torch.tensor([1.0, 0.5], dtype=F64)
+    w0 = _rand((2, 2, 2, 2), gen=gen)
+    expr = "a,b,abcd,cdef,e->f"
+
+    def fn(w):
+        return tn.contract(expr, zero, zero, w, w, zero, slicing=slicing).sin().sum()
+
+    w = w0.clone().requires_grad_(True)
+    eager = fn(w)
+    want = torch.autograd.grad(eager, w)[0]
+    ref = torch.einsum(expr, zero, zero, w, w, zero).sin().sum()
+    _close(eager, ref)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    w = w0.clone().requires_grad_(True)
+    got = compiled(w)
+    _close(got, eager)
+    _close(torch.autograd.grad(got, w)[0], want)
+
+
 def test_fullgraph_compile_without_a_plan_says_to_plan_first():
     """Without a cached plan, fullgraph=True stops at the planner; the error said only "Skip
     calling torch.compiler.disable()d function" (reason: None)."""

@@ -364,9 +364,12 @@ def _einsum(tensors, modes, out_modes) -> torch.Tensor:
 
 def _traced(plan, operands, group) -> torch.Tensor:
     """Under torch.compile: the contraction through the Function Dynamo traces when an operand
-    requires grad (Dynamo inlines a Function's forward otherwise), else the op itself."""
+    requires grad (Dynamo inlines a Function's forward otherwise), else the op itself. Dynamo
+    refuses a Function given one tensor as two inputs (a state or gate reused in a circuit), so
+    a tensor's later occurrences go in as views of it (autograd adds their gradients back)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in operands):
-        return _TraceableContract.apply(plan, group, PLAIN, *operands)[0]
+        distinct = [t.view_as(t) if any(t is u for u in operands[:i]) else t for i, t in enumerate(operands)]
+        return _TraceableContract.apply(plan, group, PLAIN, *distinct)[0]
     return _forward(plan, operands, group)
 
 
