@@ -2297,6 +2297,36 @@ def test_torch_compile_fullgraph_matches_eager():
         _close(x, y)
 
 
+@pytest.mark.parametrize("how", ["cached", "plan=", "plan.contract"])
+def test_torch_compile_does_not_recompile_per_call(how):
+    """A compiled training step compiles once: Dynamo guarded on the plan cache's hit counter,
+    which each call's lookup raised, so every call recompiled and the ninth failed
+    (fullgraph=True: recompile limit)."""
+    from torch._dynamo.utils import counters
+    gen = torch.Generator().manual_seed(23)
+    a0, b = _rand((6, 6), gen=gen), _rand((6, 6), gen=gen)
+    p = tn.plan("ab,bc,ca->", a0, b, b, slicing=["c"])
+
+    def loss(a):
+        c = b * 1.0
+        if how == "cached":
+            return tn.contract("ab,bc,ca->", a, b, c, slicing=["c"])
+        if how == "plan=":
+            return tn.contract("ab,bc,ca->", a, b, c, plan=p)
+        return p.contract(a, b, c)
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    a = a0.clone().requires_grad_(True)
+    for _ in range(10):  # more than Dynamo's recompile limit (8)
+        out = compiled(a)
+        g, = torch.autograd.grad(out, a)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    _close(out, torch.einsum("ab,bc,ca->", a, b, b))
+    _close(g, torch.autograd.grad(torch.einsum("ab,bc,ca->", a, b, b), a)[0])
+
+
 @pytest.mark.parametrize("slicing", [None, ["c"]])
 def test_torch_compile_one_tensor_as_several_operands(slicing):
     """One tensor passed as several operands (a state or gate reused in a circuit) compiles with

@@ -173,8 +173,10 @@ def _check_plan_matches(plan: ContractionPlan, expr, terms, output, operands) ->
     """A plan passed to :func:`contract` must be one for the expression passed with it (an
     einsum string ``expr``, else the interleaved ``terms -> output``), under any labels: the
     plan alone decides the contraction, so another expression would be ignored silently. An
-    einsum string that matched once is remembered (no parsing again)."""
-    if expr is not None and expr in plan.matching_exprs:
+    einsum string that matched once is remembered (no parsing again; not while Dynamo traces,
+    which would guard on the memo and recompile once it changed: a trace checks once anyway)."""
+    compiling = torch.compiler.is_compiling()
+    if expr is not None and not compiling and expr in plan.matching_exprs:
         return
     parser.check_operands(operands)
     if len(operands) != len(plan.shapes):
@@ -186,7 +188,7 @@ def _check_plan_matches(plan: ContractionPlan, expr, terms, output, operands) ->
         given = expr if expr is not None else parser.describe(terms, output)
         raise ValueError(f"plan: the plan was made for {plan.expr!r}, not for the expression given with it, "
                          f"{given!r}; pass the plan's own expression, or no plan")
-    if expr is not None:
+    if expr is not None and not compiling:
         plan.matching_exprs.add(expr)
 
 

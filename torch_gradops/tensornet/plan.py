@@ -829,9 +829,11 @@ class PlanCache:
                     self._paths.popitem(last=False)
 
     def get(self, key) -> Optional[ContractionPlan]:
-        # No lock: compiled code traces this lookup (Dynamo cannot enter a lock).
+        # No lock: compiled code traces this lookup (Dynamo cannot enter a lock). Traced, it
+        # neither counts nor reorders: Dynamo would guard on the counter's value and recompile
+        # on every call (each call's hit changed it).
         p = self._plans.get(key)
-        if p is not None:
+        if p is not None and not torch.compiler.is_compiling():
             self.hits += 1
             try:
                 self._plans.move_to_end(key)
