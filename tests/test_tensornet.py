@@ -1593,6 +1593,14 @@ def test_validation_errors():
         tn.contract("ab,bc-ac", a, b)
     with pytest.raises(TypeError, match="operand 1 must be a torch.Tensor"):
         tn.contract("ab,bc->ac", a, [[1.0]])
+    # the operands as one list (for *operands): a short message with the fix, not every tensor
+    many = [torch.randn(64, 64) for _ in range(20)]
+    many_expr = ",".join(chr(97 + i) + chr(98 + i) for i in range(20)) + "->"
+    with pytest.raises(TypeError, match=r"got list of tensors \(pass the operands one by one: \*operands\)"):
+        tn.contract(many_expr, many)
+    with pytest.raises(TypeError, match=r"got a list of 20 items \(Tensor\) \(pass the operands one by one") as e:
+        tn.plan(many_expr, many)
+    assert len(str(e.value)) < 300
     with pytest.raises(ValueError, match="do not broadcast"):
         tn.contract("...a,...a->", torch.randn(2, 3), torch.randn(4, 3))
     with pytest.raises(ValueError, match="operand 1 is on meta"):

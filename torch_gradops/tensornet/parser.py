@@ -168,7 +168,9 @@ def check_operands(operands) -> None:
         raise ValueError("contract needs at least one operand")
     for i, op in enumerate(operands):
         if not isinstance(op, torch.Tensor):
-            raise TypeError(f"operand {i} must be a torch.Tensor, got {type(op).__name__}")
+            hint = (" of tensors (pass the operands one by one: *operands)" if isinstance(op, (list, tuple)) and
+                    any(isinstance(e, torch.Tensor) for e in op) else "")
+            raise TypeError(f"operand {i} must be a torch.Tensor, got {type(op).__name__}{hint}")
     for i, op in enumerate(operands):
         check_dtype(op.dtype, f"operand {i}")
     dev = operands[0].device
@@ -187,6 +189,18 @@ def check_dtype(dtype, what: str) -> None:
                         f"complex128/64), got {dtype}")
 
 
+def _describe_bad_shape(x) -> str:
+    """A short description of a tuple or list that is not a shape: its repr when short, else its
+    type, length and the types of its first items (a list of tensors passed as one operand, for
+    ``*operands``, would print every tensor)."""
+    text = repr(x)
+    if len(text) <= 80:
+        return text
+    kinds = ", ".join(dict.fromkeys(type(e).__name__ for e in x[:8]))
+    hint = " (pass the operands one by one: *operands)" if any(isinstance(e, torch.Tensor) for e in x) else ""
+    return f"a {type(x).__name__} of {len(x)} items ({kinds}){hint}"
+
+
 def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Tensor]]:
     """``(shapes, tensors)`` of a mix of tensors and shapes (tuples of non-negative ints)."""
     shapes, tensors = [], []
@@ -197,7 +211,7 @@ def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Ten
         elif isinstance(x, (tuple, list, torch.Size)) and all(isinstance(e, int) and 0 <= e < 2 ** 63 for e in x):
             shapes.append(tuple(int(e) for e in x))
         else:
-            got = repr(x) if isinstance(x, (tuple, list)) else type(x).__name__
+            got = _describe_bad_shape(x) if isinstance(x, (tuple, list)) else type(x).__name__
             raise TypeError(f"operand {i} must be a torch.Tensor or a shape (tuple of non-negative ints below "
                             f"2^63), got {got}")
     return shapes, tensors
