@@ -1140,6 +1140,44 @@ def test_plan_cache_hits_do_no_path_search():
     assert tn.plan_cache_info()["path_searches"] == 3
 
 
+def test_plan_cache_size_and_its_thrash_warning():
+    """More distinct networks than the cache holds are planned again on every pass (a
+    Hamiltonian of more than 512 terms did so silently): the first rebuild warns, naming
+    set_plan_cache_size, and counts in plan_cache_info; with room for all, passes only hit."""
+    tn.clear_plan_cache()
+    gen = torch.Generator().manual_seed(18)
+    nets = [[_rand((2, 2 + k % 3), gen=gen), [0, 1], _rand((2 + k % 3, 3 + k // 3), gen=gen), [1, 2], [0, 2]]
+            for k in range(6)]
+    assert tn.plan_cache_info()["maxsize"] == 512
+    old = tn.set_plan_cache_size(4)
+    try:
+        assert old == 512 and tn.plan_cache_info()["maxsize"] == 4
+        for net in nets:  # first pass: misses, no rebuild
+            tn.contract(*net)
+        assert tn.plan_cache_info()["rebuilt"] == 0
+        with pytest.warns(RuntimeWarning, match=r"plan cache \(4 plans\).*set_plan_cache_size") as rec:
+            for net in nets:
+                tn.contract(*net)
+        assert len([w for w in rec if "plan cache" in str(w.message)]) == 1  # once
+        assert rec[0].filename == __file__  # the warning names the caller's line
+        info = tn.plan_cache_info()
+        assert info["rebuilt"] == 6 and info["hits"] == 0 and info["size"] == 4
+        assert tn.set_plan_cache_size(8) == 4
+        for net in nets:
+            tn.contract(*net)
+        hits = tn.plan_cache_info()["hits"]
+        for net in nets:
+            tn.contract(*net)
+        assert tn.plan_cache_info()["hits"] == hits + 6
+        assert tn.set_plan_cache_size(2) == 8 and tn.plan_cache_info()["size"] == 2  # shrinking drops plans
+        for bad in (-1, 2.5, "8", True):
+            with pytest.raises(ValueError, match="maxsize must be an int >= 0"):
+                tn.set_plan_cache_size(bad)
+    finally:
+        tn.set_plan_cache_size(old)
+        tn.clear_plan_cache()
+
+
 _SUBPROCESS_PLAN = """
 import json, sys, torch
 from torch_gradops import tensornet as tn

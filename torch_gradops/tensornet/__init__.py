@@ -44,10 +44,10 @@ Shapes: every operand ``k`` has one dimension per mode of its term; the result h
 dimension per output mode (a 0-dim tensor for a scalar output).
 """
 from .autograd import ContractFunction
-from .contract import clear_plan_cache, contract, plan, plan_cache_info, resolve
+from .contract import clear_plan_cache, contract, plan, plan_cache_info, resolve, set_plan_cache_size
 from .parser import ModeChunks
 from .plan import ContractionPlan
 from .slicer import parse_memory_limit
 
 __all__ = ["contract", "plan", "resolve", "ContractionPlan", "ContractFunction", "ModeChunks", "parse_memory_limit",
-           "plan_cache_info", "clear_plan_cache"]
+           "plan_cache_info", "set_plan_cache_size", "clear_plan_cache"]

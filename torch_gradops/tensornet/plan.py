@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import sys
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
@@ -800,16 +803,52 @@ def _checkpointed_limit(network, path, steps, itemsize, is_complex) -> int:
 
 
 # ---------------------------------------------------------------------------- cache
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of a warning raised here that names the first frame outside the
+    package (the user's call, whichever entry point it went through)."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 class PlanCache:
     """Plans by key, least recently used dropped past ``maxsize``, with counters: ``hits``,
-    ``misses`` and ``path_searches`` (plans whose making ran a path optimizer)."""
+    ``misses``, ``path_searches`` (plans whose making ran a path optimizer) and ``rebuilt``
+    (plans made again after the cache dropped them: a working set larger than the cache, which
+    a ``RuntimeWarning`` reports once, naming :func:`~.contract.set_plan_cache_size`)."""
 
-    def __init__(self, maxsize: int = 512):
+    DEFAULT_SIZE = 512  # about 40-90 KiB a plan of 36-200 tensors
+
+    def __init__(self, maxsize: int = DEFAULT_SIZE):
         self.maxsize = maxsize
         self._plans: "OrderedDict[Any, ContractionPlan]" = OrderedDict()
         self._paths: "OrderedDict[Any, paths.PathResult]" = OrderedDict()  # searched paths by network
+        # hashes of recently dropped keys (a few times the cache's size): a build of one is a rebuild
+        self._dropped: "OrderedDict[int, None]" = OrderedDict()
         self._lock = threading.Lock()  # threads planning at once: a lookup's entry evicted under it
-        self.hits = self.misses = self.path_searches = 0
+        self.hits = self.misses = self.path_searches = self.rebuilt = 0
+        self._warned = False
+
+    def resize(self, maxsize: int) -> int:
+        """Keep at most ``maxsize`` plans (and searched paths), dropping the least recently
+        used; returns the previous size."""
+        with self._lock:
+            old, self.maxsize = self.maxsize, maxsize
+            self._trim()
+        return old
+
+    def _trim(self) -> None:
+        while len(self._plans) > self.maxsize:
+            key, _ = self._plans.popitem(last=False)
+            self._dropped[hash(key)] = None
+        while len(self._paths) > self.maxsize:
+            self._paths.popitem(last=False)
+        while len(self._dropped) > 4 * max(self.maxsize, 1):
+            self._dropped.popitem(last=False)
 
     def path_of(self, key) -> Optional["paths.PathResult"]:
         """The path searched earlier for the network and options of ``key`` (label-independent:
@@ -825,8 +864,7 @@ class PlanCache:
         if key is not None and found.searched:
             with self._lock:
                 self._paths[key] = found
-                if len(self._paths) > self.maxsize:
-                    self._paths.popitem(last=False)
+                self._trim()
 
     def get(self, key) -> Optional[ContractionPlan]:
         # No lock: compiled code traces this lookup (Dynamo cannot enter a lock). Traced, it
@@ -844,24 +882,36 @@ class PlanCache:
     def build(self, key, make: Callable[[], ContractionPlan]) -> ContractionPlan:
         """Make a plan (counted as a miss) and keep it under ``key`` (None: do not keep)."""
         p = make()
+        warn = False
         with self._lock:
             self.misses += 1
             self.path_searches += int(p.searched)
             if key is not None:
+                if hash(key) in self._dropped:
+                    del self._dropped[hash(key)]
+                    self.rebuilt += 1
+                    warn, self._warned = not self._warned and self.maxsize > 0, True
                 self._plans[key] = p
-                if len(self._plans) > self.maxsize:
-                    self._plans.popitem(last=False)
+                self._trim()
+        if warn:
+            warnings.warn(f"torch_gradops: the plan cache ({self.maxsize} plans) dropped a plan that was needed again "
+                          f"and made it anew: this program uses more distinct contractions than the cache holds, "
+                          f"and each call may plan again; raise the size with "
+                          f"torch_gradops.tensornet.set_plan_cache_size(n), or keep the plans (tn.plan) and "
+                          f"pass them (plan=)", RuntimeWarning, stacklevel=_caller_level())
         return p
 
     def info(self) -> Dict[str, int]:
         return {"hits": self.hits, "misses": self.misses, "path_searches": self.path_searches,
-                "size": len(self._plans)}
+                "rebuilt": self.rebuilt, "size": len(self._plans), "maxsize": self.maxsize}
 
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
             self._paths.clear()
-            self.hits = self.misses = self.path_searches = 0
+            self._dropped.clear()
+            self.hits = self.misses = self.path_searches = self.rebuilt = 0
+            self._warned = False
 
 
 PLANS = PlanCache()  # the process-wide plan cache behind contract() and plan()
