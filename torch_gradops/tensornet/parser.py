@@ -168,8 +168,7 @@ def check_operands(operands) -> None:
         raise ValueError("contract needs at least one operand")
     for i, op in enumerate(operands):
         if not isinstance(op, torch.Tensor):
-            hint = (" of tensors (pass the operands one by one: *operands)" if isinstance(op, (list, tuple)) and
-                    any(isinstance(e, torch.Tensor) for e in op) else "")
+            hint = " of tensors" + _ONE_BY_ONE if _holds_tensors(op) else ""
             raise TypeError(f"operand {i} must be a torch.Tensor, got {type(op).__name__}{hint}")
     for i, op in enumerate(operands):
         check_dtype(op.dtype, f"operand {i}")
@@ -189,6 +188,14 @@ def check_dtype(dtype, what: str) -> None:
                         f"complex128/64), got {dtype}")
 
 
+_ONE_BY_ONE = " (pass the operands one by one: *operands)"
+
+
+def _holds_tensors(x) -> bool:
+    """Whether ``x`` is a list or tuple holding tensors: the operands passed as one argument."""
+    return isinstance(x, (list, tuple)) and any(isinstance(e, torch.Tensor) for e in x)
+
+
 def _describe_bad_shape(x) -> str:
     """A short description of a tuple or list that is not a shape: its repr when short, else its
     type, length and the types of its first items (a list of tensors passed as one operand, for
@@ -197,8 +204,7 @@ def _describe_bad_shape(x) -> str:
     if len(text) <= 80:
         return text
     kinds = ", ".join(dict.fromkeys(type(e).__name__ for e in x[:8]))
-    hint = " (pass the operands one by one: *operands)" if any(isinstance(e, torch.Tensor) for e in x) else ""
-    return f"a {type(x).__name__} of {len(x)} items ({kinds}){hint}"
+    return f"a {type(x).__name__} of {len(x)} items ({kinds}){_ONE_BY_ONE if _holds_tensors(x) else ''}"
 
 
 def shapes_of(operands_or_shapes) -> Tuple[List[Tuple[int, ...]], List[torch.Tensor]]:

@@ -35,6 +35,7 @@ network and the options that shape the path, lets a new process skip the search:
 from __future__ import annotations
 
 import contextvars
+import functools
 import hashlib
 import inspect
 import math
@@ -528,9 +529,15 @@ def hyper_options(budget: dict, limit_elems, min_slices, objective, more: Callab
 
 
 def _greedy_path(inputs, output, sizes) -> List[Tuple[int, int]]:
-    """opt_einsum's greedy path, as pairs."""
-    return check_path(opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes)),
-                      len(inputs))
+    """opt_einsum's greedy path, as pairs. Memoised: "auto" sizes its search with it and the
+    planner's ``max_overhead`` yardstick (:func:`reference_costs`) asks for it again."""
+    return list(_memo_greedy_path(tuple(map(tuple, inputs)), tuple(output), tuple(sorted(sizes.items()))))
+
+
+@functools.lru_cache(maxsize=8)
+def _memo_greedy_path(inputs, output, sizes) -> Tuple[Tuple[int, int], ...]:
+    return tuple(check_path(opt_einsum.paths.greedy([frozenset(t) for t in inputs], frozenset(output), dict(sizes)),
+                            len(inputs)))
 
 
 def _empty_network_path(inputs, output, sizes) -> PathResult:
@@ -538,11 +545,6 @@ def _empty_network_path(inputs, output, sizes) -> PathResult:
     and the result is zeros (cotengra's trials divide by the sizes and all fail)."""
     t0 = time.perf_counter()
     return PathResult(_greedy_path(inputs, output, sizes), None, "greedy", True, time.perf_counter() - t0)
-
-
-def _greedy_flops(inputs, output, sizes, path, flops_per_mac: float = 2.0) -> float:
-    from .slicer import step_costs, step_table
-    return flops_per_mac * step_costs(step_table(inputs, output, path), sizes, ()).flops()
 
 
 def reference_costs(inputs, output, sizes, flops_per_mac: float = 2.0) -> Tuple[float, int]:
@@ -593,7 +595,7 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
                     sliced = flops_per_mac * path_work(greedy)
                 except ValueError:  # too many slices to plan: the search decides
                     sliced = math.inf
-            flops = _greedy_flops(inputs, output, sizes, greedy, flops_per_mac)
+            flops, _ = reference_costs(inputs, output, sizes, flops_per_mac)
             budget = search_budget(n, flops, sliced, slices)
             if budget["min_repeats"] < 2 and sliced is not None and path_exact_work is not None:
                 # Before settling for greedy, its plan as it would run: the proxy leaves out the
