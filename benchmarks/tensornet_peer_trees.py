@@ -10,7 +10,9 @@ forward holds live at once (every intermediate made earlier and read later, plus
 result and transients, as ``torch_gradops.tensornet.slicer``'s memory model counts them). The
 backward holds the gradients of that same live set whatever it recomputes, so a tree whose floor
 is above ``slicer.BACKWARD_FACTOR`` cannot run within the memory contract by recomputation; it
-needs slices. Next to it: the lowest peak of one level of checkpoints (what the executor runs).
+needs slices. The floor depends on the order of the steps; next to it, the least floor over the
+orders of each step's two subtrees (the classic tree schedule: at each step, the subtree that needs
+more first), and the lowest peak of one level of checkpoints (what the executor runs).
 
     python benchmarks/tensornet_peer_trees.py                 # 6x6 / bond 8 and 5x5 / bond 16
     python benchmarks/tensornet_peer_trees.py --searches 10
@@ -35,14 +37,31 @@ LATTICES = [(6, 6, 8), (5, 5, 16)]
 LIMITS_MIB = [1, 4, 16]
 
 
+def least_floor(costs, path, n: int) -> float:
+    """The least ``slicer.live_floor`` of the path's tree over the orders of each step's two
+    subtrees, in elements: a subtree's floor is the most of its first child's floor, the first
+    child's result held while the second runs, and the step itself (both results, its own and its
+    transients), minimised per step over which child goes first (post-order schedules)."""
+    from torch_gradops.tensornet import paths, slicer
+    trans = slicer.step_transients(costs)
+    res, floor = {}, {}
+    for j, (a, b) in enumerate(paths.linear_to_ssa(path)):
+        ra, rb, fa, fb = res.get(a, 0), res.get(b, 0), floor.get(a, 0), floor.get(b, 0)
+        top = ra + rb + costs.result[j] + trans[j]
+        res[n + j] = costs.result[j]
+        floor[n + j] = max(top, min(max(fa, ra + fb), max(fb, rb + fa)))
+    return floor[n + len(path) - 1]
+
+
 def memory_floor(inputs, output, sizes, path) -> tuple:
-    """``(floor, one-level peak)`` of a path unsliced, in elements: ``slicer.live_floor`` and
-    ``slicer.place_checkpoints``' lowest-peak placement (cap 0: none fits)."""
+    """``(floor, least floor over orders, one-level peak)`` of a path unsliced, in elements:
+    ``slicer.live_floor``, :func:`least_floor` and ``slicer.place_checkpoints``' lowest-peak
+    placement (cap 0: none fits)."""
     from torch_gradops.tensornet import slicer
     steps = slicer.step_table(inputs, output, path)
     costs = slicer.step_costs(steps, sizes, ())
     peak, _, _ = slicer.place_checkpoints(costs, 0.0)
-    return slicer.live_floor(costs), peak
+    return slicer.live_floor(costs), least_floor(costs, path, len(inputs)), peak
 
 
 def main():
@@ -56,7 +75,7 @@ def main():
 
     results = []
     print(f"{'lattice':<14} {'limit':>6}  {'slices: searches':<28} {'FLOPs median (min)':<20} "
-          f"one-slice trees: floor / one-level peak (x limit)")
+          f"one-slice trees: floor (least over orders) / one-level peak (x limit)")
     for rows, cols, bond in LATTICES:
         inputs, output, arrays = lattice_network(rows, cols, bond, seed=0, dtype=torch.float32)
         sizes = {m: e for t, a in zip(inputs, arrays) for m, e in zip(t, a.shape)}
@@ -71,15 +90,18 @@ def main():
                 tree = opt.search(sym, (), size_dict)
                 entry = {"slices": int(tree.nslices), "flops": float(tree.total_flops()) * 2}
                 if tree.nslices == 1:
-                    floor, peak = memory_floor([list(t) for t in inputs], list(output), sizes,
+                    floor, least, peak = memory_floor([list(t) for t in inputs], list(output), sizes,
                                                [tuple(p) for p in tree.get_path()])
-                    entry.update(floor_x_limit=floor / limit, one_level_peak_x_limit=peak / limit)
+                    entry.update(floor_x_limit=floor / limit, least_floor_x_limit=least / limit,
+                                 one_level_peak_x_limit=peak / limit)
                 searches.append(entry)
             counts = sorted(collections.Counter(s["slices"] for s in searches).items())
             flops = [s["flops"] for s in searches]
             floors = [s["floor_x_limit"] for s in searches if "floor_x_limit" in s]
+            least = [s["least_floor_x_limit"] for s in searches if "least_floor_x_limit" in s]
             peaks = [s["one_level_peak_x_limit"] for s in searches if "one_level_peak_x_limit" in s]
-            one = (f"{min(floors):.1f}-{max(floors):.1f} / {min(peaks):.1f}-{max(peaks):.1f}" if floors else "-")
+            one = (f"{min(floors):.1f}-{max(floors):.1f} ({min(least):.1f}-{max(least):.1f}) / "
+                   f"{min(peaks):.1f}-{max(peaks):.1f}" if floors else "-")
             print(f"{rows}x{cols}, bond {bond:<3} {limit_mib:>3} MiB  "
                   f"{', '.join(f'{k}: {v}' for k, v in counts):<28} "
                   f"{statistics.median(flops):.2e} ({min(flops):.2e})  {one}", flush=True)

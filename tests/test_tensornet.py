@@ -2473,7 +2473,7 @@ def _place_checkpoints_quadratic(costs, cap, copies=None, complex_=False):
     greedy segments of [0, b) built step by step, then memory_model of the placement."""
     from torch_gradops.tensornet import slicer
     n = len(costs.result)
-    trans = slicer._transients(costs, copies, complex_)
+    trans = slicer.step_transients(costs, copies, complex_)
     whole = slicer.memory_model(costs, (), copies, complex_, trans)
     if cap is None or whole <= cap or n <= 1:
         return whole, [], 0

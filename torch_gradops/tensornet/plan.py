@@ -494,7 +494,7 @@ class _Slicing:
 def _any_layout_peak(costs, is_complex) -> int:
     """An upper bound of :func:`~.slicer.memory_model` without checkpoints whatever the compiled
     layout copies: every step copying both its operands and its result (the most
-    :func:`~.slicer._transients` can add). Where it is within the cap, the layout changes no
+    :func:`~.slicer.step_transients` can add). Where it is within the cap, the layout changes no
     slicing decision, and the planner need not compile a candidate to know that."""
     worst = max((ia + ib + r + (max(ia, ib) if is_complex else 0)
                  for (ia, ib), r in zip(costs.inputs, costs.result)), default=0)

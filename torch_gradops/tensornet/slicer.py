@@ -28,7 +28,7 @@ from .. import library
 from ..graph import as_index
 
 __all__ = ["BACKWARD_FACTOR", "MODEL_CAP", "parse_memory_limit", "step_table", "StepCosts", "step_costs", "mode_steps",
-           "memory_model", "live_floor", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
+           "memory_model", "step_transients", "live_floor", "place_checkpoints", "choose_sliced", "chunk_sliced", "split_to_fit", "chunked_sizes",
            "slicing_work", "STEP_OVERHEAD_MACS", "WRITE_MACS", "MAX_SLICES", "Slices"]
 
 # The measured contract: forward + backward of a plan made with memory_limit L holds at most
@@ -199,7 +199,7 @@ def mode_steps(steps) -> Dict[int, Tuple[Tuple[int, ...], ...]]:
 
 
 # ---------------------------------------------------------------------------- memory model
-def _transients(costs: StepCosts, copies=None, complex_=False) -> List[float]:
+def step_transients(costs: StepCosts, copies=None, complex_=False) -> List[float]:
     """Per step, what it holds briefly beyond the slice's intermediates: in the forward, the
     copies of intermediate operands it lays out for the GEMM (the original is freed after the
     step); in the backward, the gradient of the smaller operand (the larger one is written over
@@ -224,17 +224,17 @@ def memory_model(costs: StepCosts, checkpoints: Sequence[int] = (), copies=None,
     copy replaces). So an intermediate's memory lives from its creation to the backward of the
     step that made it, and while segment ``s`` is processed the executor holds every
     intermediate of ``s``, the intermediates of earlier segments that later segments read
-    (checkpointed), and one step's transients (:func:`_transients`). A step's transients
+    (checkpointed), and one step's transients (:func:`step_transients`). A step's transients
     coexist only with the segment's intermediates up to its own: in the recomputation the
     later ones are not made yet, and in the reverse sweep their memory is freed once their
     own step's gradients are done. ``copies``: per step (the steps whose results it copies,
     whether its result is copied by its reader), from the compiler; None: no copies.
-    ``trans``: :func:`_transients` when the caller has them. Counted in C++
+    ``trans``: :func:`step_transients` when the caller has them. Counted in C++
     (``csrc/contract_memory.cpp``) in doubles: exact below 2^53 elements."""
     if not costs.result:
         return 0
     if trans is None:
-        trans = _transients(costs, copies, complex_)
+        trans = step_transients(costs, copies, complex_)
     return round(library._C.checkpointed_peak(costs.result, costs.consumer, trans, list(checkpoints)))
 
 
@@ -246,7 +246,7 @@ def live_floor(costs: StepCosts, copies=None, complex_=False) -> int:
     :func:`memory_model` for every placement)."""
     if not costs.result:
         return 0
-    trans = _transients(costs, copies, complex_)
+    trans = step_transients(costs, copies, complex_)
     consumed = [0] * (len(costs.result) + 1)
     for j, r in enumerate(costs.result):
         consumed[costs.consumer[j]] += r
