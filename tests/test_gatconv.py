@@ -211,6 +211,21 @@ def test_sparse_tensor_matches_pyg(add_loops):
 
 
 @pytest.mark.skipif(not WITH_TORCH_SPARSE, reason="torch_sparse is not installed")
+def test_sparse_tensor_edited_in_place_is_seen():
+    """A ``SparseTensor`` has no version counter: its cached CSC conversion was keyed by the
+    object alone, so rewiring sources in place (``storage.col()``) left the old graph in use."""
+    from torch_geometric.typing import SparseTensor
+    theirs, ours = pair(4, 3, heads=2, add_self_loops=False)  # (PyG's set_diag fails on the rewired graph)
+    ei = torch.unique(random_graph(30, 30, 150), dim=1)
+    adj_t = SparseTensor(row=ei[1], col=ei[0], sparse_sizes=(30, 30))
+    x = torch.randn(30, 4)
+    close(ours(x, adj_t), theirs(x, adj_t))
+    col = adj_t.storage.col()
+    col[:20] = (col[:20] + 1) % 30
+    close(ours(x, adj_t), theirs(x, adj_t), msg="after sources rewired in place")
+
+
+@pytest.mark.skipif(not WITH_TORCH_SPARSE, reason="torch_sparse is not installed")
 def test_sparse_tensor_with_edge_dim_and_loops_is_refused_like_pyg():
     from torch_geometric.typing import SparseTensor
     theirs, ours = pair(8, 4, heads=2, edge_dim=3)
@@ -220,6 +235,15 @@ def test_sparse_tensor_with_edge_dim_and_loops_is_refused_like_pyg():
     for conv in (theirs, ours):
         with pytest.raises(NotImplementedError, match="SparseTensor"):
             conv(x, adj_t)
+
+
+def test_edge_attr_of_the_wrong_width_names_edge_dim():
+    """``edge_attr`` whose width is not the layer's ``edge_dim``: a clear error naming both, not
+    a matmul's shape error."""
+    x, ei = torch.randn(20, 8), random_graph(20, 20, 60)
+    layer = GATConv(8, 4, heads=2, edge_dim=3)
+    with pytest.raises(ValueError, match=r"edge_attr has 5 features per edge .* edge_dim=3"):
+        layer(x, ei, torch.randn(60, 5))
 
 
 def test_return_attention_weights_false_and_none():

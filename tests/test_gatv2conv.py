@@ -13,7 +13,7 @@ from torch_geometric.nn.models import GAT as PyGGAT  # noqa: E402
 from torch_geometric.typing import WITH_TORCH_SPARSE  # noqa: E402
 from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_torch_csr_tensor  # noqa: E402
 
-from torch_gradops.nn import GAT, GATv2Conv, convert  # noqa: E402
+from torch_gradops.nn import GAT, GATv2Conv, adjacency, convert  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
@@ -341,6 +341,67 @@ def test_cached_edge_features_follow_the_dtype():
 
 def test_coo_adjacency_flagged_coalesced_by_a_pyg_layer_is_coalesced():
     check_coo_adjacency_flagged_coalesced_by_pyg(PyGGATv2Conv, GATv2Conv)
+
+
+def test_edge_feature_edits_that_bypass_the_version_counter_are_seen():
+    """Edge features edited where their version counter does not see it (a ``torch.from_numpy``
+    buffer written through numpy, a write through ``.data``): the layer must use the new
+    features, not the cached CSC-ordered copy (outputs were off by up to 2 against PyG)."""
+    import numpy as np
+    from torch_gradops.nn import clear_csc_cache
+    clear_csc_cache()
+    theirs, ours = pair(5, 3, heads=2, edge_dim=2)
+    x, ei = torch.randn(40, 5), random_graph(40, 40, 200)
+    buffer = np.random.default_rng(0).standard_normal((200, 2)).astype(np.float32)
+    ea = torch.from_numpy(buffer)
+    close(ours(x, ei, ea), theirs(x, ei, ea))
+    assert ea in adjacency.EDGE_FEATURE_CACHE
+    buffer *= 4.0  # ea._version stays 0
+    close(ours(x, ei, ea), theirs(x, ei, ea), msg="after a write through numpy")
+    buffer[7, 1] += 1.0  # one value of one edge
+    close(ours(x, ei, ea), theirs(x, ei, ea), msg="after one value written through numpy")
+    buffer[[3, 9]] = buffer[[9, 3]]  # two edges' features swapped
+    close(ours(x, ei, ea), theirs(x, ei, ea), msg="after two rows swapped through numpy")
+    ea2 = torch.randn(200, 2)
+    close(ours(x, ei, ea2), theirs(x, ei, ea2))
+    ea2.data.mul_(0.5)
+    close(ours(x, ei, ea2), theirs(x, ei, ea2), msg="after a write through .data")
+    clear_csc_cache()
+
+
+def test_edge_features_in_csc_order_are_not_kept_alive():
+    """Without self-loops, a graph sorted by destination (what NeighborLoader yields) needs its
+    edge features neither reordered nor extended, and they were cached as a view of the key:
+    the weakly keyed entry kept its own key alive, one batch's edge_attr per entry forever."""
+    import gc
+    from torch_gradops.nn import clear_csc_cache
+    clear_csc_cache()
+    layer = GATv2Conv(6, 4, heads=2, edge_dim=3, add_self_loops=False)
+    x = torch.randn(50, 6)
+    for seed in range(5):
+        ei = random_graph(50, 50, 300, seed=seed)
+        ei = ei[:, ei[1].argsort(stable=True)]
+        layer(x, ei, torch.randn(300, 3)).sum().backward()
+    gc.collect()
+    assert len(adjacency.EDGE_FEATURE_CACHE) == 0
+    ei = random_graph(50, 50, 300, seed=9)  # unsorted: a reordered copy is cached, held only by its key
+    ea = torch.randn(300, 3)
+    layer(x, ei, ea)
+    assert len(adjacency.EDGE_FEATURE_CACHE) == 1
+    del ea
+    gc.collect()
+    assert len(adjacency.EDGE_FEATURE_CACHE) == 0
+
+
+@pytest.mark.parametrize("shape", [(60, 5), (60, 1), (60,)])
+def test_edge_attr_of_the_wrong_width_names_edge_dim(shape):
+    """``edge_attr`` whose width is not the layer's ``edge_dim``: PyG's GATv2Conv fails in a
+    matmul; ours named an internal weight and gave the input's width as the expected one."""
+    x, ei = torch.randn(20, 8), random_graph(20, 20, 60)
+    layer = GATv2Conv(8, 4, heads=2, edge_dim=3)
+    width = shape[1] if len(shape) == 2 else 1
+    with pytest.raises(ValueError, match=rf"edge_attr has {width} features per edge .* edge_dim=3"):
+        layer(x, ei, torch.randn(shape))
 
 
 def test_non_tensor_edge_index_is_refused_with_a_clear_message():

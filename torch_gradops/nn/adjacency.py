@@ -27,7 +27,7 @@ from .._segments import index_add_rows
 from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
-           "num_edges", "edge_attr_2d", "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE",
+           "num_edges", "layer_edge_dim", "edge_attr_2d", "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE",
            "attention_result", "needs_message_passing", "coalesced_adjacency", "FusedMessagePassing"]
 
 try:  # PyG >= 2.5
@@ -63,20 +63,48 @@ def _version(t) -> Optional[int]:
 _MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64 (odd): mixes each id with its successor
 
 
-def _content_key(edge_index) -> Optional[Tuple[int, int, int]]:
-    """For a CPU ``[2, E]`` Tensor or ``EdgeIndex``: its length and two 64-bit sums of its ids,
-    the second position-dependent (each id mixed with the next), which a cache hit must match
-    too. Writes that bypass the version counter (a ``torch.from_numpy`` buffer edited through
-    numpy, ``.data``, DLPack) change it without a new version. One pass over ``2 E`` ids, a few
-    percent of a conversion (3 ms against 45 ms for 10^6 edges). None elsewhere: on a GPU the
-    comparison would synchronise, and sparse adjacencies keep their ids in other layouts."""
-    if not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided or edge_index.device.type != "cpu":
-        return None
-    ids = (edge_index.as_tensor() if is_edge_index(edge_index) else edge_index).detach().reshape(-1)
-    ids = ids.to(torch.int64)  # no copy for int64
+def _ids_key(ids: Tensor) -> Tuple[int, int, int]:
+    """Length and two 64-bit sums of an integer tensor's values, the second position-dependent
+    (each value mixed with the next)."""
+    ids = ids.detach().reshape(-1).to(torch.int64)  # no copy for int64
     if ids.numel() < 2:
         return (ids.numel(), int(ids.sum()), 0)
     return (ids.numel(), int(ids.sum()), int(torch.bitwise_xor(ids[:-1] * _MIX, ids[1:]).sum()))
+
+
+def _content_key(edge_index) -> Optional[Tuple]:
+    """For a CPU ``[2, E]`` Tensor or ``EdgeIndex``: its length and two 64-bit sums of its ids
+    (:func:`_ids_key`), which a cache hit must match too; for a CPU ``SparseTensor`` (which has
+    no version counter at all) the same of its row pointers and column ids. Writes that bypass
+    the version counter (a ``torch.from_numpy`` buffer edited through numpy, ``.data``, DLPack,
+    a ``SparseTensor``'s ``storage.col()`` edited in place) change it without a new version. One
+    pass over ``2 E`` ids, a few percent of a conversion (3 ms against 45 ms for 10^6 edges).
+    None elsewhere: on a GPU the comparison would synchronise, and ``torch.sparse`` adjacencies
+    keep their ids in other layouts."""
+    if isinstance(edge_index, SparseTensor) and edge_index.device().type == "cpu":
+        return _ids_key(edge_index.storage.rowptr()) + _ids_key(edge_index.storage.col())
+    if not isinstance(edge_index, Tensor) or edge_index.layout != torch.strided or edge_index.device.type != "cpu":
+        return None
+    return _ids_key(edge_index.as_tensor() if is_edge_index(edge_index) else edge_index)
+
+
+def _feature_key(edge_attr: Tensor) -> Optional[float]:
+    """For CPU floating edge features ``[E, ...]``: a weighted sum of every value (weights that
+    differ per column and per row), in float64 over the per-row sums, which a cache hit of
+    :data:`EDGE_FEATURE_CACHE` must match too, for the writes that bypass the version counter
+    (see :func:`_content_key`). One GEMV over the features (no copy of them). A change smaller
+    than the rounding of a row's weighted sum in the features' dtype can go unseen; its effect on
+    a layer's output is of that size. NaN features never match (rebuilt every call). None on a
+    GPU (the comparison would synchronise) and for other dtypes (no caching)."""
+    if edge_attr.device.type != "cpu" or edge_attr.layout != torch.strided or not edge_attr.is_floating_point():
+        return None
+    if edge_attr.dim() == 0 or edge_attr.numel() == 0:
+        return float(edge_attr.sum())
+    rows = edge_attr.detach().reshape(edge_attr.size(0), -1)
+    col_w = torch.arange(1, rows.size(1) + 1, dtype=torch.float64).mul_(0.6180339887498949).frac_().add_(1)
+    per_row = (rows @ col_w.to(rows.dtype)).to(torch.float64)
+    row_w = torch.arange(1, rows.size(0) + 1, dtype=torch.float64).mul_(0.7548776662466927).frac_().add_(1)
+    return float(per_row @ row_w)
 
 
 def _is_inference(t) -> bool:
@@ -276,7 +304,13 @@ def num_edges(edge_index) -> int:
     return edge_index.size(1)
 
 
-def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
+def layer_edge_dim(layer) -> Optional[int]:
+    """A layer's declared ``edge_dim`` (None when unknown or lazy, ``-1``)."""
+    dim = getattr(layer, "edge_dim", None)
+    return dim if isinstance(dim, int) and dim > 0 else None
+
+
+def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype, edge_dim: Optional[int] = None) -> Tensor:
     """``edge_attr`` as PyG's attention layers read it, ``[E, edge_dim]``: ``[E]`` is one feature
     per edge, and the leading dims of ``[..., edge_dim]`` hold the ``E`` rows (PyG's ``lin_edge``
     maps the last dim, then views ``[-1, heads, C]``); integer features become ``dtype``, as
@@ -284,7 +318,13 @@ def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype) -> Tensor:
     ``fill_value``, PyG's ``lin_edge`` refuses them; this accepts them). ``E`` must be ``edge_index``'s
     number of edges. An inference tensor used with autograd on is copied to a normal one (which
     autograd can save, as PyG's concatenation makes one)."""
+    if not isinstance(edge_attr, Tensor) or edge_attr.dim() == 0:
+        raise ValueError(f"edge_attr must be a tensor [E, edge_dim] or [E], got "
+                         f"{tuple(edge_attr.shape) if isinstance(edge_attr, Tensor) else type(edge_attr).__name__}")
     ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr.reshape(-1, edge_attr.size(-1))
+    if edge_dim is not None and ea.size(1) != edge_dim:
+        raise ValueError(f"edge_attr has {ea.size(1)} features per edge (shape {tuple(edge_attr.shape)}), but the "
+                         f"layer was built with edge_dim={edge_dim}")
     expected = num_edges(edge_index)
     if ea.size(0) != expected:
         raise ValueError(f"edge_attr must have one row per edge of edge_index ({expected}), got shape "
@@ -319,7 +359,7 @@ def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value) ->
 
 
 def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_loops: Optional[int],
-                      fill_value, dtype: torch.dtype) -> Tensor:
+                      fill_value, dtype: torch.dtype, edge_dim: Optional[int] = None) -> Tensor:
     """``[E', edge_dim]``: ``edge_attr`` (as :func:`edge_attr_2d` reads it, integers as
     ``dtype``) followed by the added self-loops' features (:func:`loop_edge_attr`), in
     ``graph``'s CSC order (``graph`` is :func:`csc_graph` of ``edge_index``).
@@ -331,22 +371,27 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
     tensor cannot be saved for a later backward), for an inference tensor (no version counter),
     under torch.func transforms or with a Tensor ``fill_value``."""
     def build():  # (a cache hit's edge_attr was read and checked when its entry was built)
-        ea = edge_attr_2d(edge_attr, edge_index, dtype)
+        ea = edge_attr_2d(edge_attr, edge_index, dtype, edge_dim)
         full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
         return graph.edge_order(full)
 
     if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
             or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)):
         return build()
+    if graph.perm is None and num_loops is None and (edge_attr.is_floating_point() or edge_attr.is_complex()):
+        # already in CSC order and nothing added: the features as they are (a view of
+        # ``edge_attr``, which an entry would keep alive from its own value: a leak per batch)
+        return build()
     hit = EDGE_FEATURE_CACHE.get(edge_attr)
-    version = _version(edge_attr)
+    version = (_version(edge_attr), _feature_key(edge_attr))
     if hit is not None:
         v, graph_ref, loops, fill, dt, ordered = hit
         # dtype too: integer features are cast to it, and the loops' features computed in it
         if v == version and graph_ref() is graph and loops == num_loops and fill == fill_value and dt == dtype:
             return ordered
     ordered = build()
-    EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, dtype, ordered)
+    if ordered.untyped_storage().data_ptr() != edge_attr.untyped_storage().data_ptr():  # (never the key's memory)
+        EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, dtype, ordered)
     return ordered
 
 

@@ -12,7 +12,7 @@ from torch_geometric.nn.conv import GATConv as PyGGATConv
 from ..gat import gat_attention
 from ..graph import BipartiteCSC, _append_zero_row
 from .adjacency import (FusedMessagePassing, attention_result, coalesced_adjacency, csc_graph, edge_attr_2d,
-                        loop_edge_attr, needs_message_passing, propagate_sizes)
+                        layer_edge_dim, loop_edge_attr, needs_message_passing, propagate_sizes)
 
 __all__ = ["GATConv"]
 
@@ -162,7 +162,7 @@ class GATConv(FusedMessagePassing, PyGGATConv):
             return None
         w = self._fold(self.lin_edge, self.att_edge)
         # (half edge features, e.g. an autocast layer's output, meet float32 logits' w: cast)
-        ea = edge_attr_2d(edge_attr, edge_index, w.dtype).to(w.dtype)
+        ea = edge_attr_2d(edge_attr, edge_index, w.dtype, layer_edge_dim(self)).to(w.dtype)
         logits = ea @ w
         if num_loops is not None:
             logits = torch.cat([logits, loop_edge_attr(ea, edge_index, num_loops, self.fill_value) @ w])

@@ -11,7 +11,7 @@ from torch_geometric.nn.conv import GATv2Conv as PyGGATv2Conv
 from ..gatv2 import _check_inputs, _gatv2_attention_csc
 from ..graph import BipartiteCSC, _append_zero_row
 from .adjacency import (FusedMessagePassing, attention_result, coalesced_adjacency, csc_edge_features, csc_graph,
-                        needs_message_passing, propagate_sizes)
+                        layer_edge_dim, needs_message_passing, propagate_sizes)
 
 __all__ = ["GATv2Conv"]
 
@@ -84,7 +84,8 @@ class GATv2Conv(FusedMessagePassing, PyGGATv2Conv):
         if edge_attr is None:
             return None
         assert self.lin_edge is not None, "edge_attr was given but the layer has no edge_dim"
-        return csc_edge_features(edge_attr, edge_index, graph, num_loops, self.fill_value, self.lin_edge.weight.dtype)
+        return csc_edge_features(edge_attr, edge_index, graph, num_loops, self.fill_value, self.lin_edge.weight.dtype,
+                                 layer_edge_dim(self))
 
     def _attend(self, x_l: Tensor, x_r: Tensor, edge_feats: Optional[Tensor], graph: BipartiteCSC,
                 num_dst: int, want_alpha: bool):
