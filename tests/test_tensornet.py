@@ -3,6 +3,7 @@ slice groups, double backward, forward AD, plan cache, validation, memory bound,
 torch.compile and opcheck."""
 import contextlib
 import ctypes
+import importlib
 import math
 import os
 import random
@@ -412,6 +413,33 @@ def test_repr_of_a_large_network_is_short():
     text = repr(p)
     assert len(p.expr) > 400  # the attribute keeps the whole expression
     assert p.expr not in text and f"({len(inputs)} terms)" in text and p.expr[:100] in text
+
+def test_estimated_seconds_counts_calls_steps_memory_and_the_dtype_rate(monkeypatch):
+    """estimated_seconds: per call, FLOPs at the GEMM rate of the plan's own dtype (float64 had
+    float32's, about 2x too fast on CPUs), per executor step and slice, and per byte of the GEMMs'
+    operands and results, three passes with gradients (plans of many tiny slices were estimated
+    3-7x under their time with FLOPs and steps alone)."""
+    plan_mod = importlib.import_module("torch_gradops.tensornet.plan")  # (tn.plan is the function)
+    monkeypatch.setitem(plan_mod.TIME_MODEL, "cpu",
+                        {"call_s": (1e-3, 5e-3), "flop_factor": 2.0, "step_s": 1e-5, "byte_s": 1e-9})
+    monkeypatch.setattr(plan_mod, "_RATES", {("cpu", torch.float32): 1e9, ("cpu", torch.float64): 5e8})
+    inputs, output, arrays = mps_network(8, 4, dtype=torch.float64)
+    p = tn.plan(*interleave(inputs, arrays, output), memory_limit=256, max_overhead=None)
+    assert p.num_slices > 1 and p.hoisted is None
+    gemms = compile_program(p.network.inputs, p.network.output, p.network.sizes, p.path, p.sliced_ids, 8, False,
+                            p.checkpoints)[1]
+    assert p.bytes_moved == sum(g[1] + g[2] for g in gemms) * 8 * p.num_slices
+    steps = p.num_slices * len(p.path)
+    assert math.isclose(p.estimated_seconds(False), 1e-3 + 2.0 * p.flops / 5e8 + 1e-5 * steps + 1e-9 * p.bytes_moved)
+    assert math.isclose(p.estimated_seconds(True), 5e-3 + 2.0 * (3 * p.flops + p.recompute_flops) / 5e8
+                        + 3 * (1e-5 * steps + 1e-9 * p.bytes_moved))
+    p32 = tn.plan(*interleave(inputs, [a.float() for a in arrays], output), memory_limit=128, max_overhead=None)
+    assert p32.path == p.path and p32.num_slices == p.num_slices and p32.bytes_moved * 2 == p.bytes_moved
+    assert math.isclose(p32.estimated_seconds(False), 1e-3 + 2.0 * p32.flops / 1e9 + 1e-5 * steps
+                        + 1e-9 * p32.bytes_moved)
+    monkeypatch.setattr(plan_mod, "_RATES", {})
+    assert plan_mod.device_flop_rate("meta", torch.float64) == 1e10  # nothing to time: the fallback
+
 
 def test_one_plan_for_forward_and_backward():
     """memory_limit bounds the largest intermediate of one slice, with or without gradients:

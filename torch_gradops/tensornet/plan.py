@@ -99,6 +99,8 @@ class ContractionPlan:
         self.unsliced_flops = int(unsliced.flops() * scale)
         cut = self.checkpoints[-1] if self.checkpoints else 0
         self.recompute_flops = int(sum(costs.macs[:cut]) * scale * self.num_slices)
+        # the forward's GEMM operands and results over all slices, in bytes (estimated_seconds)
+        self.bytes_moved = int(sum(g[1] + g[2] for g in gemms) * itemsize * self.num_slices)
         sset = set(sliced)
         largest = max([costs.largest] + [math.prod(sizes[m] for m in network.output if m not in sset)])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
@@ -117,17 +119,23 @@ class ContractionPlan:
     # -- cost -----------------------------------------------------------------------------
     def estimated_seconds(self, gradients: bool = True) -> float:
         """Estimated wall time of the forward (+ backward) over all slices on this plan's device
-        type: FLOPs over the device's GEMM rate, measured once per process
-        (:func:`device_flop_rate`). Forward + backward is 3x the forward's FLOPs plus what the
-        backward recomputes (a scalar output's gradient is computed during the forward), plus a
-        fixed cost per executor step and slice (:data:`STEP_OVERHEAD_S`), which dominates plans
-        of many tiny slices."""
+        type (:data:`TIME_MODEL`): the FLOPs at the device's GEMM rate in this plan's dtype,
+        measured once per process (:func:`device_flop_rate`), times a factor for the
+        smaller-than-square GEMMs networks make; a fixed cost per executor step and slice
+        (dispatch: plans of many tiny slices pay mostly this); the GEMMs' operands and results
+        at a memory rate (layout copies, strided reads); and a fixed cost per call (autograd,
+        operand checks, gradient buffers). Forward + backward is 3x the forward's FLOPs plus
+        what the backward recomputes (a scalar output's gradient is computed during the
+        forward), and three passes of steps and memory traffic. Within about 2x of the measured
+        time on the CPU (see :data:`TIME_MODEL`); a guide for choosing limits, not a timer."""
         if self.hoisted is not None:
             return sum(p.estimated_seconds(gradients) for p in self.hoisted.plans())
+        m = TIME_MODEL.get(self.device_type, TIME_MODEL["cpu"])
+        passes = 3 if gradients else 1
         work = self.flops * 3 + self.recompute_flops if gradients else self.flops
-        steps = self.num_slices * max(len(self.path), 1) * (3 if gradients else 1)
-        return work / device_flop_rate(self.device_type, self.dtype) + \
-            steps * STEP_OVERHEAD_S.get(self.device_type, STEP_OVERHEAD_S["cpu"])
+        steps = self.num_slices * max(len(self.path), 1) * passes
+        return (m["call_s"][gradients] + m["flop_factor"] * work / device_flop_rate(self.device_type, self.dtype)
+                + steps * m["step_s"] + passes * self.bytes_moved * m["byte_s"])
 
     # -- operands ---------------------------------------------------------------------------
     def prepare(self, operands) -> List[torch.Tensor]:
@@ -279,33 +287,49 @@ def _seconds(s: float) -> str:
     return f"{s / (86400 * 365):.3g} years"
 
 
-_RATES: Dict[Tuple[str, bool], float] = {}
-# Seconds per executor step and slice besides its FLOPs (dispatch; on CUDA a kernel launch):
-# a lower bound, measured as about 2-5 us per step on small slices on CPU.
-STEP_OVERHEAD_S: Dict[str, float] = {"cpu": 2e-6, "cuda": 5e-6}
+_RATES: Dict[Tuple[str, torch.dtype], float] = {}
+# ContractionPlan.estimated_seconds' constants per device type: seconds per call (forward,
+# forward + backward), a factor on the FLOPs' time at the 512^3 GEMM rate, seconds per executor
+# step and slice per pass, and seconds per byte of GEMM operands and results per pass.
+# CPU: fitted (least squares on the log of the ratio) to benchmarks/tensornet_estimate.py's
+# plans (lattices, circuit amplitudes and VQE terms, MPS, PEPS, random networks and matrix chains
+# in float32, float64 and complex64), rounded. In its committed run (62 plans, 1 to 16,384 slices,
+# 2.5e4 to 4e10 FLOPs; AMD EPYC VM, 2 threads, OMP_WAIT_POLICY=PASSIVE, 2026-11-28) measured /
+# estimated is 0.24 / 0.93 / 2.0 (min / median / max) forward and 0.37 / 1.02 / 1.71 forward +
+# backward; with FLOPs and 2 us per step alone it was 1.3 / 3.7 / 10 and 1.5 / 4.5 / 20. Least
+# well served: slices that are matrix-vector products re-reading one large operand (the memory
+# term overcounts them), small complex networks of many steps (undercounted). CUDA: not fitted
+# (no GPU measurement yet): a launch per step and HBM rates.
+TIME_MODEL: Dict[str, Dict] = {
+    "cpu": {"call_s": (1.5e-4, 7e-4), "flop_factor": 1.6, "step_s": 5e-6, "byte_s": 2e-10},
+    "cuda": {"call_s": (5e-5, 2e-4), "flop_factor": 1.6, "step_s": 5e-6, "byte_s": 5e-13},
+}
 
 
 def device_flop_rate(device_type: str, dtype: torch.dtype) -> float:
-    """FLOP/s of a 512 x 512 GEMM on ``device_type`` (CUDA: the current device) in ``dtype``'s
-    real or complex single precision, measured once per process (about 10 ms) and cached: the
-    basis of :meth:`ContractionPlan.estimated_seconds`. Falls back to 1e10 FLOP/s where the
-    device cannot run it (meta tensors, no CUDA)."""
-    key = (device_type, dtype.is_complex)
+    """FLOP/s of a 512 x 512 GEMM on ``device_type`` (CUDA: the current device) in ``dtype``
+    (float64 runs at about half float32's rate on CPUs), measured once per process and dtype
+    (about 10 ms) and cached: the basis of :meth:`ContractionPlan.estimated_seconds`. Falls back
+    to 1e10 FLOP/s where the device cannot run it (no CUDA, a dtype without GEMMs there) or
+    computes nothing (meta)."""
+    key = (device_type, dtype)
     if key not in _RATES:
         rate = 1e10
         try:
+            if device_type == "meta":
+                raise NotImplementedError("meta tensors time nothing")
             dev = torch.device(device_type)
-            dt = torch.complex64 if dtype.is_complex else torch.float32
-            a = torch.randn(512, 512, device=dev).to(dt)
+            a = torch.randn(512, 512, device=dev).to(dtype)
             sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)  # noqa: E731
             a @ a
             sync()
             import time
-            t0 = time.perf_counter()
-            for _ in range(3):
+            t0, runs = time.perf_counter(), 0
+            while runs < 3 and (runs == 0 or time.perf_counter() - t0 < 0.02):  # 1 run of a slow dtype
                 a @ a
-            sync()
-            dt_s = (time.perf_counter() - t0) / 3
+                sync()
+                runs += 1
+            dt_s = (time.perf_counter() - t0) / runs
             rate = 2 * 512 ** 3 * (4 if dtype.is_complex else 1) / max(dt_s, 1e-9)
         except (RuntimeError, NotImplementedError):
             pass
