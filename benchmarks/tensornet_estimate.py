@@ -170,7 +170,7 @@ def spread(values):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default=None, help="run only the networks of this kind (circuit, vqe, lattice, ...)")
-    ap.add_argument("--max-estimate", type=float, default=3.0, help="skip plans estimated above this (s)")
+    ap.add_argument("--max-estimate", type=float, default=5.0, help="skip plans estimated above this (s)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "tensornet_estimate_cpu.json"))
     args = ap.parse_args()
     rows = []

@@ -366,6 +366,30 @@ def test_edge_feature_edits_that_bypass_the_version_counter_are_seen():
     close(ours(x, ei, ea2), theirs(x, ei, ea2))
     ea2.data.mul_(0.5)
     close(ours(x, ei, ea2), theirs(x, ei, ea2), msg="after a write through .data")
+    ints = np.arange(400).reshape(200, 2) % 7  # integer features (cast to the layer's dtype)
+    ea3 = torch.from_numpy(ints)
+    close(ours(x, ei, ea3), theirs(x, ei, ea3))
+    assert ea3 in adjacency.EDGE_FEATURE_CACHE
+    ints *= 3
+    close(ours(x, ei, ea3), theirs(x, ei, ea3), msg="integer features after a write through numpy")
+    clear_csc_cache()
+
+
+def test_half_edge_feature_edits_are_seen_where_row_sums_overflow():
+    """float16 features whose weighted row sums overflow float16 (a row of 16 features near
+    6000): the key was computed in float16, came out infinite, and hid every later edit."""
+    from torch_gradops.nn import clear_csc_cache
+    clear_csc_cache()
+    layer = GATv2Conv(4, 2, heads=1, edge_dim=16)
+    x, ei = torch.randn(10, 4), random_graph(10, 10, 30)
+    ea = torch.randn(30, 16).half()
+    ea[0] = 6000.0
+    with torch.no_grad():
+        layer(x, ei, ea)
+        ea.data[1:] *= -3
+        got = layer(x, ei, ea)
+        clear_csc_cache()
+        close(got, layer(x, ei, ea))
     clear_csc_cache()
 
 
@@ -400,8 +424,10 @@ def test_edge_attr_of_the_wrong_width_names_edge_dim(shape):
     x, ei = torch.randn(20, 8), random_graph(20, 20, 60)
     layer = GATv2Conv(8, 4, heads=2, edge_dim=3)
     width = shape[1] if len(shape) == 2 else 1
+    ea = torch.randn(shape)
+    GATv2Conv(8, 4, heads=2, edge_dim=width)(x, ei, ea)  # another layer caches these features
     with pytest.raises(ValueError, match=rf"edge_attr has {width} features per edge .* edge_dim=3"):
-        layer(x, ei, torch.randn(shape))
+        layer(x, ei, ea)
 
 
 def test_non_tensor_edge_index_is_refused_with_a_clear_message():

@@ -437,6 +437,11 @@ def test_estimated_seconds_counts_calls_steps_memory_and_the_dtype_rate(monkeypa
     assert p32.path == p.path and p32.num_slices == p.num_slices and p32.bytes_moved * 2 == p.bytes_moved
     assert math.isclose(p32.estimated_seconds(False), 1e-3 + 2.0 * p32.flops / 1e9 + 1e-5 * steps
                         + 1e-9 * p32.bytes_moved)
+    hoisted = tn.plan("ab,bc,cd,de,ea->", *[torch.randn(s) for s in [(3, 4), (4, 5), (5, 3), (3, 6), (6, 3)]],
+                      memory_limit="1MiB", slicing=["e"])
+    parts = hoisted.hoisted.plans()
+    assert hoisted.bytes_moved == sum(q.bytes_moved for q in parts)  # (was the unhoisted program's)
+    assert math.isclose(hoisted.estimated_seconds(), sum(q.estimated_seconds() for q in parts))
     monkeypatch.setattr(plan_mod, "_RATES", {})
     assert plan_mod.device_flop_rate("meta", torch.float64) == 1e10  # nothing to time: the fallback
 

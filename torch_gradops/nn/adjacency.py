@@ -4,7 +4,7 @@ Accepts what PyG's message passing accepts: a ``[2, E]`` Tensor or ``EdgeIndex``
 source), a ``torch.sparse`` (COO/CSR/CSC) or ``torch_sparse.SparseTensor`` *transposed* adjacency
 ``adj_t [num_dst, num_src]``. The conversion (:func:`torch_gradops.graph.csc_from_edges`, with
 PyG's self-loop handling) is cached by the adjacency object's identity and ``_version`` (and, for
-a CPU edge_index, a sum of its ids, :func:`_content_key`) and shared
+a CPU edge_index or ``SparseTensor``, sums of its ids, :func:`_content_key`) and shared
 by every layer, so a whole model converts each graph once; a CSR ``adj_t``, a ``SparseTensor`` or
 an ``EdgeIndex`` sorted by column (destination) is converted without any sort.
 """
@@ -41,8 +41,9 @@ except ImportError:  # pragma: no cover
 CSC_CACHE = WeakIdKeyDictionary()
 
 
-# edge_attr object -> (edge_attr._version, weakref to the BipartiteCSC, num_loops, fill_value,
-# features in CSC order): one entry per edge_attr, held weakly like CSC_CACHE.
+# edge_attr object -> ((edge_attr._version, _feature_key), weakref to the BipartiteCSC, num_loops,
+# fill_value, dtype, features in CSC order): one entry per edge_attr, held weakly like CSC_CACHE;
+# never an entry whose features are edge_attr's own memory (it would keep its key alive).
 EDGE_FEATURE_CACHE = WeakIdKeyDictionary()
 
 
@@ -88,23 +89,35 @@ def _content_key(edge_index) -> Optional[Tuple]:
     return _ids_key(edge_index.as_tensor() if is_edge_index(edge_index) else edge_index)
 
 
+_KEY_ROWS = 1 << 16  # rows per GEMV of _feature_key: a half or integer chunk is widened, not all
+
+
 def _feature_key(edge_attr: Tensor) -> Optional[float]:
-    """For CPU floating edge features ``[E, ...]``: a weighted sum of every value (weights that
-    differ per column and per row), in float64 over the per-row sums, which a cache hit of
-    :data:`EDGE_FEATURE_CACHE` must match too, for the writes that bypass the version counter
-    (see :func:`_content_key`). One GEMV over the features (no copy of them). A change smaller
-    than the rounding of a row's weighted sum in the features' dtype can go unseen; its effect on
-    a layer's output is of that size. NaN features never match (rebuilt every call). None on a
-    GPU (the comparison would synchronise) and for other dtypes (no caching)."""
-    if edge_attr.device.type != "cpu" or edge_attr.layout != torch.strided or not edge_attr.is_floating_point():
+    """For CPU edge features ``[E, ...]``: a weighted sum of every value (weights that differ per
+    column and per row), which a cache hit of :data:`EDGE_FEATURE_CACHE` must match too, for the
+    writes that bypass the version counter (see :func:`_content_key`). Each row's weighted sum is
+    a GEMV in float32 (float64 for float64 and integer features; half types and integers widened
+    a chunk of rows at a time; complex as real pairs), summed over the rows in float64. A change
+    smaller than the rounding of a row's weighted sum can go unseen; its effect on a layer's
+    output is of that size. NaN features never match (rebuilt every call); infinite ones hide
+    later edits, when the layer's output is infinite or NaN anyway. None on a GPU (the
+    comparison would synchronise)."""
+    if edge_attr.device.type != "cpu" or edge_attr.layout != torch.strided:
         return None
-    if edge_attr.dim() == 0 or edge_attr.numel() == 0:
-        return float(edge_attr.sum())
-    rows = edge_attr.detach().reshape(edge_attr.size(0), -1)
-    col_w = torch.arange(1, rows.size(1) + 1, dtype=torch.float64).mul_(0.6180339887498949).frac_().add_(1)
-    per_row = (rows @ col_w.to(rows.dtype)).to(torch.float64)
+    t = edge_attr.detach()
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.dim() == 0 or t.numel() == 0:
+        return float(t.sum(dtype=torch.float64))
+    rows = t.reshape(t.size(0), -1)
+    work = torch.float64 if t.dtype == torch.float64 or not t.is_floating_point() else torch.float32
+    col_w = torch.arange(1, rows.size(1) + 1, dtype=torch.float64).mul_(0.6180339887498949).frac_().add_(1).to(work)
     row_w = torch.arange(1, rows.size(0) + 1, dtype=torch.float64).mul_(0.7548776662466927).frac_().add_(1)
-    return float(per_row @ row_w)
+    total = 0.0
+    for start in range(0, rows.size(0), _KEY_ROWS):
+        part = rows[start:start + _KEY_ROWS].to(work)  # (no copy in the features' own dtype)
+        total += float((part @ col_w).to(torch.float64) @ row_w[start:start + _KEY_ROWS])
+    return total
 
 
 def _is_inference(t) -> bool:
@@ -310,6 +323,17 @@ def layer_edge_dim(layer) -> Optional[int]:
     return dim if isinstance(dim, int) and dim > 0 else None
 
 
+def _check_edge_attr(edge_attr, edge_dim: Optional[int]) -> None:
+    """A tensor of at least one dim whose last (or only) dim has ``edge_dim`` features."""
+    if not isinstance(edge_attr, Tensor) or edge_attr.dim() == 0:
+        raise ValueError(f"edge_attr must be a tensor [E, edge_dim] or [E], got "
+                         f"{tuple(edge_attr.shape) if isinstance(edge_attr, Tensor) else type(edge_attr).__name__}")
+    width = 1 if edge_attr.dim() == 1 else edge_attr.size(-1)
+    if edge_dim is not None and width != edge_dim:
+        raise ValueError(f"edge_attr has {width} features per edge (shape {tuple(edge_attr.shape)}), but the "
+                         f"layer was built with edge_dim={edge_dim}")
+
+
 def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype, edge_dim: Optional[int] = None) -> Tensor:
     """``edge_attr`` as PyG's attention layers read it, ``[E, edge_dim]``: ``[E]`` is one feature
     per edge, and the leading dims of ``[..., edge_dim]`` hold the ``E`` rows (PyG's ``lin_edge``
@@ -318,13 +342,8 @@ def edge_attr_2d(edge_attr: Tensor, edge_index, dtype: torch.dtype, edge_dim: Op
     ``fill_value``, PyG's ``lin_edge`` refuses them; this accepts them). ``E`` must be ``edge_index``'s
     number of edges. An inference tensor used with autograd on is copied to a normal one (which
     autograd can save, as PyG's concatenation makes one)."""
-    if not isinstance(edge_attr, Tensor) or edge_attr.dim() == 0:
-        raise ValueError(f"edge_attr must be a tensor [E, edge_dim] or [E], got "
-                         f"{tuple(edge_attr.shape) if isinstance(edge_attr, Tensor) else type(edge_attr).__name__}")
+    _check_edge_attr(edge_attr, edge_dim)
     ea = edge_attr.view(-1, 1) if edge_attr.dim() == 1 else edge_attr.reshape(-1, edge_attr.size(-1))
-    if edge_dim is not None and ea.size(1) != edge_dim:
-        raise ValueError(f"edge_attr has {ea.size(1)} features per edge (shape {tuple(edge_attr.shape)}), but the "
-                         f"layer was built with edge_dim={edge_dim}")
     expected = num_edges(edge_index)
     if ea.size(0) != expected:
         raise ValueError(f"edge_attr must have one row per edge of edge_index ({expected}), got shape "
@@ -375,6 +394,7 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
         full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
         return graph.edge_order(full)
 
+    _check_edge_attr(edge_attr, edge_dim)  # (before the cache: a hit must not skip it)
     if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
             or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)):
         return build()

@@ -126,8 +126,9 @@ class ContractionPlan:
         at a memory rate (layout copies, strided reads); and a fixed cost per call (autograd,
         operand checks, gradient buffers). Forward + backward is 3x the forward's FLOPs plus
         what the backward recomputes (a scalar output's gradient is computed during the
-        forward), and three passes of steps and memory traffic. Within about 2x of the measured
-        time on the CPU (see :data:`TIME_MODEL`); a guide for choosing limits, not a timer."""
+        forward), and three passes of steps and memory traffic. On the CPU the constants were
+        fitted to float32, float64 and complex64 plans, to within about 2x of their measured times
+        (see :data:`TIME_MODEL`); a guide for choosing limits, not a timer."""
         if self.hoisted is not None:
             return sum(p.estimated_seconds(gradients) for p in self.hoisted.plans())
         m = TIME_MODEL.get(self.device_type, TIME_MODEL["cpu"])
@@ -296,10 +297,13 @@ _RATES: Dict[Tuple[str, torch.dtype], float] = {}
 # in float32, float64 and complex64), rounded. In its committed run (62 plans, 1 to 16,384 slices,
 # 2.5e4 to 4e10 FLOPs; AMD EPYC VM, 2 threads, OMP_WAIT_POLICY=PASSIVE, 2026-11-28) measured /
 # estimated is 0.24 / 0.93 / 2.0 (min / median / max) forward and 0.37 / 1.02 / 1.71 forward +
-# backward; with FLOPs and 2 us per step alone it was 1.3 / 3.7 / 10 and 1.5 / 4.5 / 20. Least
-# well served: slices that are matrix-vector products re-reading one large operand (the memory
-# term overcounts them), small complex networks of many steps (undercounted). CUDA: not fitted
-# (no GPU measurement yet): a launch per step and HBM rates.
+# backward, the fit's residuals on the plans it was fitted to; with FLOPs and 2 us per step
+# alone it was 1.3 / 3.7 / 10 and 1.5 / 4.5 / 20. Plans outside the fit, in a review: a hoisted
+# 300-site MPS 0.68-0.73, float32 lattices 0.64-0.77, bfloat16 lattices 1.25-2.8 (small bf16
+# GEMMs run far below the 512^3 rate), float16 0.21-0.61. Least well served in the fit: slices
+# that are matrix-vector products re-reading one large operand (the memory term overcounts
+# them), small complex networks of many steps (undercounted). CUDA: not fitted (no GPU
+# measurement yet): a launch per step and HBM rates.
 TIME_MODEL: Dict[str, Dict] = {
     "cpu": {"call_s": (1.5e-4, 7e-4), "flop_factor": 1.6, "step_s": 5e-6, "byte_s": 2e-10},
     "cuda": {"call_s": (5e-5, 2e-4), "flop_factor": 1.6, "step_s": 5e-6, "byte_s": 5e-13},
@@ -325,10 +329,12 @@ def device_flop_rate(device_type: str, dtype: torch.dtype) -> float:
             sync()
             import time
             t0, runs = time.perf_counter(), 0
-            while runs < 3 and (runs == 0 or time.perf_counter() - t0 < 0.02):  # 1 run of a slow dtype
+            while runs < 3:  # (queued back to back on CUDA; on CPU one run of a slow dtype, fp16's 0.1 s)
                 a @ a
-                sync()
                 runs += 1
+                if dev.type == "cpu" and time.perf_counter() - t0 > 0.02:
+                    break
+            sync()
             dt_s = (time.perf_counter() - t0) / runs
             rate = 2 * 512 ** 3 * (4 if dtype.is_complex else 1) / max(dt_s, 1e-9)
         except (RuntimeError, NotImplementedError):
@@ -790,6 +796,7 @@ def _hoist(plan: ContractionPlan, cap: float) -> None:
     plan.hoisted = HoistedParts(subs, main, main_operands, sub_macs / max(sum(costs.macs), 1))
     plan.flops = sum(p.flops for p in parts)
     plan.recompute_flops = sum(p.recompute_flops for p in parts)
+    plan.bytes_moved = sum(p.bytes_moved for p in parts)
     plan.modelled_peak = int(peak)
 
 
