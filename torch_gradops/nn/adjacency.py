@@ -388,7 +388,8 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
     conversion), so the loop features' reduction and the reordering (three passes over
     ``E x edge_dim``) run once. Not cached under ``torch.compile``, inference mode (an inference
     tensor cannot be saved for a later backward), for an inference tensor (no version counter),
-    under torch.func transforms or with a Tensor ``fill_value``."""
+    under torch.func transforms (of any input: what they compute is their wrappers), with a
+    Tensor ``fill_value``, or where the result is ``edge_attr``'s own memory (nothing to save)."""
     def build():  # (a cache hit's edge_attr was read and checked when its entry was built)
         ea = edge_attr_2d(edge_attr, edge_index, dtype, edge_dim)
         full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
@@ -396,7 +397,8 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
 
     _check_edge_attr(edge_attr, edge_dim)  # (before the cache: a hit must not skip it)
     if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
-            or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)):
+            or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)
+            or torch._C._are_functorch_transforms_active()):  # (its results are the transforms' wrappers)
         return build()
     if graph.perm is None and num_loops is None and (edge_attr.is_floating_point() or edge_attr.is_complex()):
         # already in CSC order and nothing added: the features as they are (a view of
