@@ -1637,6 +1637,25 @@ def test_searches_under_a_limit_take_trials_in_turn():
         assert alone.scores == opt.scores and alone.tree.get_path() == opt.tree.get_path()
 
 
+@pytest.mark.parametrize("limit", [None, 64])
+@pytest.mark.parametrize("expr, shapes", [
+    ("ij,jk->ik", [(3, 1), (5, 4)]), ("ij,ij->ij", [(3, 1), (3, 4)]), ("ij,jk->ik", [(3, 1), (1, 4)]),
+    ("ij,jk,kl->il", [(3, 5), (1, 4), (4, 1)]), ("ab,ab->", [(1, 4), (3, 1)]), ("ii,i->i", [(1, 1), (3,)]),
+    ("...ij,jk->...ik", [(2, 3, 1), (5, 4)]), ("abc,cd,da->b", [(1, 3, 4), (4, 1), (5, 6)])])
+def test_extent_one_broadcasts_like_torch_einsum(expr, shapes, limit):
+    """A mode of extent 1 in one operand and n in another broadcasts, as in torch.einsum (and
+    numpy, opt_einsum): it was refused ("mode 'j' has extent 5 in operand 1 but extent 1")."""
+    ops = [torch.randn(s, dtype=F64, requires_grad=True) for s in shapes]
+    want = torch.einsum(expr, *ops)
+    got = tn.contract(expr, *ops, memory_limit=limit)
+    assert got.shape == want.shape
+    _close(got, want)
+    for g, r in zip(torch.autograd.grad(got.square().sum(), ops), torch.autograd.grad(want.square().sum(), ops)):
+        _close(g, r)
+    if limit is None and len(shapes) == 2:
+        assert torch.autograd.gradcheck(lambda *xs: tn.contract(expr, *xs), ops, check_forward_ad=True)
+
+
 # ---------------------------------------------------------------------------- validation
 def test_validation_errors():
     a, b = torch.randn(2, 3), torch.randn(3, 4)
@@ -1674,6 +1693,13 @@ def test_validation_errors():
     assert len(str(e.value)) < 300
     with pytest.raises(ValueError, match="do not broadcast"):
         tn.contract("...a,...a->", torch.randn(2, 3), torch.randn(4, 3))
+    with pytest.raises(ValueError, match=r"'b' has extent 4 in operand 1 but extent 3 in operand 0 \(extents must "
+                                         r"match or be 1\)"):
+        tn.contract("ab,cb->ac", a, b)
+    with pytest.raises(ValueError, match="'i' is repeated in operand 0 with extents 1 and 3"):
+        tn.contract("ii->i", torch.randn(1, 3))  # (torch.einsum refuses it too)
+    with pytest.raises(ValueError, match="'->' is split by whitespace"):
+        tn.contract("ab - > ba", a)
     with pytest.raises(ValueError, match="operand 1 is on meta"):
         tn.contract("ab,bc->ac", a, b.to("meta"))
     with pytest.raises(TypeError, match="modes of operand 0"):
@@ -2891,7 +2917,8 @@ def test_slicing_takes_a_plans_sliced_modes_back():
     _close(tn.contract("ab,bc->ac", a, b, slicing=[tn.ModeChunks("b", 3)]), a @ b)
     for bad, match in (([tn.ModeChunks("b", 4)], r"cannot be sliced in 4 ranges: its mode has extent 6; pass a "
                                                  r"divisor of 6 between 2 and 5 \(2, 3\), or 'b'"),
-                       ([tn.ModeChunks("a", 2)], "is an output mode"),
+                       # (it said "pass a divisor of 4 between 2 and 3 (2)": what was passed)
+                       ([tn.ModeChunks("a", 2)], r"'a' is an output mode, which slices only whole .*: pass 'a'$"),
                        ([tn.ModeChunks("b", 2), "b"], "listed twice"),
                        ([tn.ModeChunks("z", 2)], "not a mode of the expression")):
         with pytest.raises(ValueError, match=match):

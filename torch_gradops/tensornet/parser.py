@@ -2,8 +2,8 @@
 
 An expression names each operand's modes (``"ab,bc->ac"``, or ``(a, [0, 1], b, [1, 2], [0, 2])``
 in the interleaved form). :func:`network_of` turns the labels into small integer mode ids and
-describes the *effective* network the planner works on: broadcast (``...``) dimensions of extent 1
-squeezed away and repeated modes of one operand taken as diagonals, so that every mode occurs at
+describes the *effective* network the planner works on: broadcast dimensions (extent 1 against a
+larger extent of the same label or ``...`` dimension elsewhere) squeezed away and repeated modes of one operand taken as diagonals, so that every mode occurs at
 most once per operand. :func:`preprocess` applies those steps to the operand tensors (as
 differentiable views). :func:`split_modes` splits modes into chunks (a view too), so that the
 slicer can slice a mode in ranges rather than index by index.
@@ -79,6 +79,8 @@ def _parse_term(term: str, where: str) -> List[Any]:
 def parse_string(expr: str, n_operands: int):
     """``(terms, output or None)`` of an einsum string: lists of labels (characters or
     ``Ellipsis``); ``output`` is None for an implicit output."""
+    if any(part.lstrip().startswith(">") for part in expr.split("-")[1:] if part[:1].isspace()):
+        raise ValueError(f"expr {expr!r}: '->' is split by whitespace")  # (torch.einsum refuses it too)
     expr = "".join(expr.split())
     if expr.count("->") > 1:
         raise ValueError(f"expr {expr!r} has more than one '->'")
@@ -229,12 +231,30 @@ def _rank_error(i, term, shape, named) -> ValueError:
                       f"{''.join('...' if x is Ellipsis else label_str(x) for x in term)!r} names {named}")
 
 
-def _mismatch(lab, ext, i, sizes, terms) -> ValueError:
-    """The error for mode ``lab`` of extent ``ext`` in operand ``i`` against ``sizes[lab]``,
-    naming the first operand with that mode."""
-    first = next(j for j, t in enumerate(terms) if lab in t)
-    return ValueError(f"mode {label_str(lab)!r} has extent {ext} in operand {i} but extent "
-                      f"{sizes[lab]} in operand {first}")
+def _label_sizes(labels_per_operand, shapes):
+    """``(sizes, broadcast)`` for operands' labels (``...`` expanded): each label's extent, which
+    must be the same in every operand or 1 there (an extent of 1 broadcasts, as in
+    ``torch.einsum``; within one operand a repeated label's extents must be equal), and per
+    operand the dims of extent 1 whose label is larger elsewhere (squeezed away: that operand
+    does not carry the mode)."""
+    sizes: Dict[Any, int] = {}
+    where: Dict[Any, int] = {}  # the operand that set a label's extent (for the error)
+    for i, (labels, shape) in enumerate(zip(labels_per_operand, shapes)):
+        own: Dict[Any, int] = {}
+        for lab, ext in zip(labels, shape):
+            ext = int(ext)
+            if own.setdefault(lab, ext) != ext:
+                raise ValueError(f"mode {label_str(lab)!r} is repeated in operand {i} with extents {own[lab]} "
+                                 f"and {ext} (a diagonal needs equal extents)")
+            cur = sizes.get(lab)
+            if cur is None or (cur == 1 and ext != 1):
+                sizes[lab], where[lab] = ext, i
+            elif ext != cur and ext != 1:
+                raise ValueError(f"mode {label_str(lab)!r} has extent {ext} in operand {i} but extent {cur} in "
+                                 f"operand {where[lab]} (extents must match or be 1)")
+    broadcast = [[d for d, (lab, ext) in enumerate(zip(labels, shape)) if int(ext) == 1 and sizes[lab] != 1]
+                 for labels, shape in zip(labels_per_operand, shapes)]
+    return sizes, broadcast
 
 
 def _ellipsis_labels(terms, shapes):
@@ -265,37 +285,19 @@ def _ellipsis_labels(terms, shapes):
                                      f"where another operand has {ell_sizes[lab.p]}")
                 ell_sizes[lab.p] = ext
         out_terms.append(labels)
-    sizes: Dict[Any, int] = {}
-    broadcast = []
-    for i, (labels, shape) in enumerate(zip(out_terms, shapes)):
-        bc = []
-        for d, (lab, ext) in enumerate(zip(labels, shape)):
-            ext = int(ext)
-            if isinstance(lab, EllipsisDim) and ext == 1 and ell_sizes[lab.p] != 1:
-                bc.append(d)
-                continue
-            if sizes.setdefault(lab, ext) != ext:
-                raise _mismatch(lab, ext, i, sizes, terms)
-        broadcast.append(bc)
-    # Labels that only occur broadcast still need an extent (1).
-    for p in range(n_ell):
-        sizes.setdefault(EllipsisDim(p), ell_sizes[p])
+    sizes, broadcast = _label_sizes(out_terms, shapes)
     return out_terms, sizes, broadcast, n_ell
 
 
 def _plain_labels(terms, shapes):
     """:func:`_ellipsis_labels` for terms without ``...`` (the common case, a few times faster)."""
-    sizes: Dict[Any, int] = {}
     out_terms = []
     for i, (term, shape) in enumerate(zip(terms, shapes)):
         if len(shape) != len(term):
             raise _rank_error(i, term, shape, len(term))
-        labels = list(term)
-        for lab, ext in zip(labels, shape):
-            if sizes.setdefault(lab, ext) != ext:
-                raise _mismatch(lab, int(ext), i, sizes, terms)
-        out_terms.append(labels)
-    return out_terms, {lab: int(e) for lab, e in sizes.items()}, [[] for _ in terms], 0
+        out_terms.append(list(term))
+    sizes, broadcast = _label_sizes(out_terms, shapes)
+    return out_terms, sizes, broadcast, 0
 
 
 def normalize_labels(terms, output, shapes):
@@ -303,7 +305,8 @@ def normalize_labels(terms, output, shapes):
 
     Returns ``(terms, output, sizes, broadcast)``: terms/output as lists of labels,
     ``sizes[label]`` the extent, ``broadcast`` per operand the dims that are broadcast
-    (extent 1 against a larger extent of the same ``...`` dimension).
+    (extent 1 against a larger extent of the same label or ``...`` dimension, as ``torch.einsum``
+    broadcasts them).
     """
     if not any(x is Ellipsis for term in terms for x in term):
         out_terms, sizes, broadcast, n_ell = _plain_labels(terms, shapes)

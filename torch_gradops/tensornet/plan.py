@@ -380,9 +380,11 @@ def _forced_modes(slicing, network: parser.Network):
         if isinstance(lab, parser.ModeChunks) and lab not in network.ids and lab.label in network.ids:
             m = network.ids[lab.label]
             e = network.sizes[m]
-            if m in network.output or not 1 < lab.chunks < e or e % lab.chunks:
+            if m in network.output:
+                raise ValueError(f"slicing: {lab!r} cannot be sliced in ranges: {lab.label!r} is an output mode, "
+                                 f"which slices only whole (one output block per index): pass {lab.label!r}")
+            if not 1 < lab.chunks < e or e % lab.chunks:
                 raise ValueError(f"slicing: {lab!r} cannot be sliced in {lab.chunks} ranges: its mode has extent {e}"
-                                 + (" and is an output mode" if m in network.output else "")
                                  + (f"; pass a divisor of {e} between 2 and {e - 1} ({', '.join(map(str, divs))}), or "
                                     if (divs := [d for d in range(2, e) if e % d == 0]) else
                                     f"; {e} has no divisor between 2 and {e - 1}: pass ")
