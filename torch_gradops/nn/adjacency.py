@@ -391,7 +391,7 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
     under torch.func transforms (of any input: what they compute is their wrappers), with a
     Tensor ``fill_value``, or where the result is ``edge_attr``'s own memory (nothing to save)."""
     def build():  # (a cache hit's edge_attr was read and checked when its entry was built)
-        ea = edge_attr_2d(edge_attr, edge_index, dtype, edge_dim)
+        ea = edge_attr_2d(edge_attr, edge_index, dtype)  # (its width is checked below, once)
         full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
         return graph.edge_order(full)
 
@@ -402,7 +402,8 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
         return build()
     if graph.perm is None and num_loops is None and (edge_attr.is_floating_point() or edge_attr.is_complex()):
         # already in CSC order and nothing added: the features as they are (a view of
-        # ``edge_attr``, which an entry would keep alive from its own value: a leak per batch)
+        # ``edge_attr``, which an entry would keep alive from its own value: a leak per batch).
+        # Every other case below builds a new tensor (reordered, extended or cast).
         return build()
     hit = EDGE_FEATURE_CACHE.get(edge_attr)
     version = (_version(edge_attr), _feature_key(edge_attr))
@@ -412,8 +413,7 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
         if v == version and graph_ref() is graph and loops == num_loops and fill == fill_value and dt == dtype:
             return ordered
     ordered = build()
-    if ordered.untyped_storage().data_ptr() != edge_attr.untyped_storage().data_ptr():  # (never the key's memory)
-        EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, dtype, ordered)
+    EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, dtype, ordered)
     return ordered
 
 
