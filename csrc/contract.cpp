@@ -43,6 +43,7 @@
 #include "checks.h"
 #include "contract_program.h"
 #include "cpu/gemm_team.h"
+#include "cpu/strided_copy.h"
 
 namespace torch_gradops {
 namespace {
@@ -479,24 +480,42 @@ at::Tensor matmul3(const at::Tensor& a3, const at::Tensor& b3, at::Tensor* into 
   return into ? at::bmm_out(*into, a3, b3) : at::bmm(a3, b3);
 }
 
-// Copies of at least this many elements are split across the GEMM team when the call holds it.
+// Copies of at least this many elements are split across the GEMM team when the call holds it
+// (or across ATen's threads when it does not).
 constexpr int64_t kSplitMinCopy = 1 << 14;
 
+// dst.copy_(src): on the CPU by the tiled strided copy (cpu/strided_copy.h), else ATen's.
+void layout_copy(at::Tensor dst, const at::Tensor& src) {
+  if (!strided_copy_cpu(dst, src)) dst.copy_(src);
+}
+
 // t.reshape(shape); a copy (when the memory order does not allow a view) is split across the
-// GEMM team along the first dimension with a part per thread.
+// GEMM team along the first dimension with a part per thread. On the CPU the copy is tiled, so
+// that a permutation moving the source's contiguous dimension outward still reads and writes
+// whole cache lines (2-6x ATen's copy_ for the permuted intermediates of lattice sweeps).
 at::Tensor reshape_for_gemm(const at::Tensor& t, at::IntArrayRef shape) {
-  const int64_t parts = gemm_team_threads();
-  if (parts < 2 || t.numel() < kSplitMinCopy || t.is_conj() || t.is_neg() ||
-      at::detail::computeStride(t.sizes(), t.strides(), shape))
+  if (!t.device().is_cpu() || t.is_conj() || t.is_neg() || at::detail::computeStride(t.sizes(), t.strides(), shape))
     return t.reshape(shape);
-  int64_t d = 0;
-  while (d < t.dim() && t.size(d) < parts) ++d;
-  if (d == t.dim()) return t.reshape(shape);
   at::Tensor out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
-  gemm_team_run(parts, [&](int64_t i) {
-    const int64_t lo = t.size(d) * i / parts, w = t.size(d) * (i + 1) / parts - lo;
-    out.narrow(d, lo, w).copy_(t.narrow(d, lo, w));
-  });
+  const int64_t parts = gemm_team_threads();
+  // The dimension the parts split: the first with a part per thread (the team's, else 2).
+  const int64_t want = std::max<int64_t>(parts, 2);
+  int64_t d = 0;
+  while (d < t.dim() && t.size(d) < want) ++d;
+  if (t.numel() < kSplitMinCopy || d == t.dim()) {
+    layout_copy(out, t);
+  } else if (parts >= 2) {
+    gemm_team_run(parts, [&](int64_t i) {
+      const int64_t lo = t.size(d) * i / parts, w = t.size(d) * (i + 1) / parts - lo;
+      layout_copy(out.narrow(d, lo, w), t.narrow(d, lo, w));
+    });
+  } else {
+    const int64_t per_index = t.numel() / t.size(d);
+    const int64_t grain = std::max<int64_t>(1, (kSplitMinCopy + per_index - 1) / per_index);
+    at::parallel_for(0, t.size(d), grain, [&](int64_t lo, int64_t hi) {
+      layout_copy(out.narrow(d, lo, hi - lo), t.narrow(d, lo, hi - lo));
+    });
+  }
   return out.view(shape);
 }
 

@@ -166,6 +166,51 @@ def test_edge_cases_match_einsum(expr, shapes):
     _check_against_einsum(expr, [_rand(s, gen=gen) for s in shapes])
 
 
+def _short_run_network(rng: random.Random):
+    """2-3 operands whose modes end in one short mode ``z`` (extent 2-4) and are otherwise
+    shuffled, with extents up to 12: the GEMM layouts copy permuted operands and gradients that
+    keep a run of 2-4 elements innermost on both sides, some small and some of 2^14 elements or
+    more (split across threads)."""
+    labels = rng.sample("abcdefghijklmnop", rng.randint(4, 6))
+    extent = {m: rng.choice([3, 4, 6, 8, 12]) for m in labels}
+    extent["z"] = rng.choice([2, 3, 4])
+    terms = []
+    for _ in range(rng.randint(2, 3)):
+        t = rng.sample(labels, rng.randint(2, min(4, len(labels))))
+        terms.append(t + ["z"])
+    used = sorted({m for t in terms for m in t if m != "z"})
+    out = [m for m in used if rng.random() < 0.5]
+    rng.shuffle(out)
+    out = out + ["z"] if rng.random() < 0.7 else ["z"] + out
+    expr = ",".join("".join(t) for t in terms) + "->" + "".join(out)
+    return expr, [tuple(extent[m] for m in t) for t in terms]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex128, torch.bfloat16])
+@pytest.mark.parametrize("seed", range(8))
+def test_permuted_layout_copies_match_einsum(seed, dtype):
+    """The executor's tiled CPU layout copy (``csrc/cpu/strided_copy.cpp``, used for permuted
+    copies with a short contiguous run): values and gradients against torch.einsum in float64,
+    unsliced and sliced, with tolerances of the dtype."""
+    rng = random.Random(500 + seed)
+    expr, shapes = _short_run_network(rng)
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.complex128 if dtype.is_complex else torch.float64
+    ops = [_rand(s, dtype=wide, gen=gen).to(dtype) for s in shapes]
+    ref_ops = [o.to(wide).requires_grad_(True) for o in ops]
+    ref = torch.einsum(expr, *ref_ops)
+    g = torch.randn(ref.shape, dtype=wide, generator=gen)
+    ref_grads = torch.autograd.grad(ref, ref_ops, g)
+    tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.complex128: 1e-12, torch.bfloat16: 3e-2}[dtype]
+    for kw in ({}, {"slicing": {"min_slices": 2}}):
+        leaves = [o.detach().clone().requires_grad_(True) for o in ops]
+        out = tn.contract(expr, *leaves, **kw)
+        grads = torch.autograd.grad(out, leaves, g.to(dtype))
+        for got, want in [(out, ref)] + list(zip(grads, ref_grads)):
+            scale = float(want.detach().abs().max()) + 1e-30
+            _close(got.to(wide), want.detach(), rtol=tol, atol=tol * scale, msg=f"{expr} {kw}")
+
+
 def test_complex_with_conj_bit_matches_einsum():
     gen = torch.Generator().manual_seed(2)
     a = _rand((3, 4), C128, gen)
