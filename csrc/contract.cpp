@@ -498,12 +498,14 @@ at::Tensor reshape_for_gemm(const at::Tensor& t, at::IntArrayRef shape) {
     return t.reshape(shape);
   at::Tensor out = at::empty(t.sizes(), t.options().memory_format(at::MemoryFormat::Contiguous));
   const int64_t parts = gemm_team_threads();
-  // The dimension the parts split: the first with a part per thread (the team's, else 2).
-  const int64_t want = std::max<int64_t>(parts, 2);
+  // The dimension the parts split: the first with a part per thread.
+  const int64_t want = std::max<int64_t>({parts, static_cast<int64_t>(at::get_num_threads()), 2});
   int64_t d = 0;
   while (d < t.dim() && t.size(d) < want) ++d;
-  if (t.numel() < kSplitMinCopy || d == t.dim()) {
+  if (t.numel() < kSplitMinCopy) {
     layout_copy(out, t);
+  } else if (d == t.dim()) {
+    out.copy_(t);  // no dimension to split per thread: ATen's copy, which splits its own way
   } else if (parts >= 2) {
     gemm_team_run(parts, [&](int64_t i) {
       const int64_t lo = t.size(d) * i / parts, w = t.size(d) * (i + 1) / parts - lo;

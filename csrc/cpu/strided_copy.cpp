@@ -23,26 +23,33 @@ struct Bytes16 {
 constexpr int64_t kTileBytes = 128;
 
 // Copies rows i0..i1 x columns j0..j1 of a tile: V elements (contiguous on both sides) per
-// (i, j); V = 0: `vec` elements, not known at compile time.
-template <typename T, int V>
+// (i, j); V = 0: a run of C < bytes <= 2C, moved as two overlapping C-byte blocks (fixed-size
+// memcpys, which compile to plain moves; a loop of run-time length ran up to 2x slower than
+// ATen's copy_ on runs of 3, 5, 6, 7 or 12 elements).
+template <typename T, int V, int C = 0>
 inline void copy_tile(T* dst, const T* src, int64_t i0, int64_t i1, int64_t ps, int64_t pt, int64_t j0, int64_t j1,
                       int64_t qs, int64_t qt, int64_t vec) {
+  const int64_t nb = vec * static_cast<int64_t>(sizeof(T));
   for (int64_t i = i0; i < i1; ++i) {
     const T* s = src + i * ps;
     T* d = dst + i * pt;
     for (int64_t j = j0; j < j1; ++j) {
-      const T* sv = s + j * qs;
-      T* dv = d + j * qt;
+      const char* sv = reinterpret_cast<const char*>(s + j * qs);
+      char* dv = reinterpret_cast<char*>(d + j * qt);
       if constexpr (V > 0) {
-        for (int v = 0; v < V; ++v) dv[v] = sv[v];
+        std::memcpy(dv, sv, V * sizeof(T));
       } else {
-        for (int64_t v = 0; v < vec; ++v) dv[v] = sv[v];
+        unsigned char head[C], tail[C];
+        std::memcpy(head, sv, C);
+        std::memcpy(tail, sv + nb - C, C);
+        std::memcpy(dv, head, C);
+        std::memcpy(dv + nb - C, tail, C);
       }
     }
   }
 }
 
-template <typename T, int V>
+template <typename T, int V, int C = 0>
 void copy_dims_v(T* dst0, const T* src0, const std::vector<Dim>& outer, const Dim* p, const Dim& q, int64_t vec) {
   const int64_t vbytes = vec * static_cast<int64_t>(sizeof(T));
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(64, (kTileBytes + vbytes - 1) / vbytes));
@@ -54,11 +61,11 @@ void copy_dims_v(T* dst0, const T* src0, const std::vector<Dim>& outer, const Di
     const T* src = src0 + so;
     T* dst = dst0 + to;
     if (np <= tile_p && q.n <= tile_q) {
-      copy_tile<T, V>(dst, src, 0, np, ps, pt, 0, q.n, q.s, q.t, vec);
+      copy_tile<T, V, C>(dst, src, 0, np, ps, pt, 0, q.n, q.s, q.t, vec);
     } else {
       for (int64_t i0 = 0; i0 < np; i0 += tile_p)
         for (int64_t j0 = 0; j0 < q.n; j0 += tile_q)
-          copy_tile<T, V>(dst, src, i0, std::min(np, i0 + tile_p), ps, pt, j0, std::min(q.n, j0 + tile_q), q.s, q.t,
+          copy_tile<T, V, C>(dst, src, i0, std::min(np, i0 + tile_p), ps, pt, j0, std::min(q.n, j0 + tile_q), q.s, q.t,
                           vec);
     }
     // Next outer index (the last outer dimension moves fastest).
@@ -83,11 +90,16 @@ void copy_dims(char* dst_base, const char* src_base, const std::vector<Dim>& out
   T* dst = reinterpret_cast<T*>(dst_base);
   const T* src = reinterpret_cast<const T*>(src_base);
   switch (vec) {
-    case 1: return copy_dims_v<T, 1>(dst, src, outer, p, q, vec);
     case 2: return copy_dims_v<T, 2>(dst, src, outer, p, q, vec);
     case 4: return copy_dims_v<T, 4>(dst, src, outer, p, q, vec);
     case 8: return copy_dims_v<T, 8>(dst, src, outer, p, q, vec);
-    default: return copy_dims_v<T, 0>(dst, src, outer, p, q, vec);
+    default: {  // runs of other lengths, 3 to 32 bytes (the caller takes no longer runs)
+      const int64_t nb = vec * static_cast<int64_t>(sizeof(T));
+      if (nb <= 4) return copy_dims_v<T, 0, 2>(dst, src, outer, p, q, vec);
+      if (nb <= 8) return copy_dims_v<T, 0, 4>(dst, src, outer, p, q, vec);
+      if (nb <= 16) return copy_dims_v<T, 0, 8>(dst, src, outer, p, q, vec);
+      return copy_dims_v<T, 0, 16>(dst, src, outer, p, q, vec);
+    }
   }
 }
 
@@ -97,6 +109,11 @@ bool strided_copy_cpu(at::Tensor& dst, const at::Tensor& src) {
   if (!dst.device().is_cpu() || !src.device().is_cpu() || dst.scalar_type() != src.scalar_type() ||
       dst.sizes() != src.sizes() || src.is_conj() || src.is_neg() || dst.is_conj() || dst.is_neg())
     return false;
+  // Plain strided memory only (not sparse, mkldnn, quantized or a ZeroTensor without storage),
+  // and no overlap between the two, where copy_ has rules of its own.
+  for (const at::Tensor* t : {static_cast<const at::Tensor*>(&dst), &src})
+    if (t->layout() != at::kStrided || !t->has_storage() || t->_is_zerotensor() || t->is_quantized()) return false;
+  if (at::get_overlap_status(dst, src) != at::MemOverlapStatus::No) return false;
   const int64_t item = static_cast<int64_t>(src.element_size());
   if (item != 1 && item != 2 && item != 4 && item != 8 && item != 16) return false;
   if (dst.numel() == 0) return true;
@@ -129,9 +146,10 @@ bool strided_copy_cpu(at::Tensor& dst, const at::Tensor& src) {
     coalesced.pop_back();
   }
   // ATen's copy_ is as fast or faster without such a run (float32 transposes with one stride-1
-  // side ran 1-4x faster there) and with a run of a cache line or more; with a shorter run its
-  // inner loop moves only the run, where the tiles move whole cache lines (2-5x faster).
-  if (vec == 1 || vec * item >= 64) return false;
+  // side ran 1-4x faster there) and with runs of more than 32 bytes (0.7-1.0x of ATen's from 33
+  // to 63 bytes); with a shorter run its inner loop moves only the run, where the tiles move
+  // whole cache lines (2-5x faster).
+  if (vec == 1 || vec * item > 32) return false;
   char* dst_base = static_cast<char*>(dst.data_ptr());
   const char* src_base = static_cast<const char*>(src.const_data_ptr());
   if (coalesced.empty()) {
