@@ -123,5 +123,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # one thread per rank unless the caller set OMP_NUM_THREADS (torchrun sets it to 1 for more
+    # than one process; torch has read the variable already, so set the count itself)
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
     main()

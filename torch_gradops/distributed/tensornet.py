@@ -202,13 +202,34 @@ def _in_step(every: List[Tuple[str, Any]], phase: str) -> List[Any]:
     return [e[1] for e in every]
 
 
-def _check_same_output_grad(grad_out: torch.Tensor, group) -> None:
-    """Every rank must backpropagate the same output gradient (each rank's slices' gradients
-    are summed across ranks, so different ones would mix gradients of different losses)."""
+# Per process group, the distributed contractions run on it so far: every rank numbers the same
+# contraction alike (each forward is checked in step first), so a backward's number tells which
+# contraction each rank is backpropagating through.
+_CONTRACTIONS: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+
+
+def _next_contraction(group) -> int:
+    n = _CONTRACTIONS.get(group, 0)
+    _CONTRACTIONS[group] = n + 1
+    return n
+
+
+def _check_same_output_grad(grad_out: torch.Tensor, group, number: int) -> None:
+    """Every rank must backpropagate through the same contraction (``number``: its place among
+    the group's contractions) with the same output gradient (each rank's slices' gradients are
+    summed across ranks, so different ones would mix gradients of different losses)."""
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, ("backward", fingerprints([grad_out])), group=group)
+    dist.all_gather_object(every, ("backward", (number, fingerprints([grad_out]))), group=group)
     every = _in_step(every, "backward")
-    ranks = _differing_ranks(every)
+    numbers = [e[0] for e in every]
+    if any(n != numbers[0] for n in numbers):
+        said = ", ".join(f"rank {r}: #{n}" for r, n in enumerate(numbers))
+        raise RuntimeError(
+            f"ranks are out of step in distributed contractions: they backpropagate through different "
+            f"contractions of the group ({said}, numbered in the order they ran); every rank must call backward "
+            "on the same losses in the same order (a loop over a set or dict whose order differs between "
+            "processes does not)")
+    ranks = _differing_ranks([e[1] for e in every])
     if ranks:
         raise RuntimeError(
             f"ranks backpropagate different output gradients: rank(s) {ranks} differ from rank 0's; every rank "
@@ -286,6 +307,7 @@ class DistributedContractFunction(torch.autograd.Function):
         # interpreter shutdown, where a worker releasing its last work's tensors aborts the
         # process ("terminate called without an active exception", about 1 run in 10)
         ctx.plan, ctx.group, ctx.slices, ctx.stats = plan, weakref.ref(group), slices, stats
+        ctx.number = _next_contraction(group)
         ctx.save_for_backward(*operands)
         return part
 
@@ -305,7 +327,7 @@ class DistributedContractFunction(torch.autograd.Function):
                 "through a distributed contraction are not supported; contract locally (no process_group), "
                 "or take the output gradients one at a time")
         t_check = time.perf_counter()
-        _check_same_output_grad(grad_out, group)
+        _check_same_output_grad(grad_out, group, ctx.number)
         operands = ctx.saved_tensors
         want = ctx.needs_input_grad[5:]
         t0 = time.perf_counter()
@@ -354,6 +376,9 @@ def contract_plan(plan, operands, process_group=None, progress: bool = False,
     if process_group is not None and not (dist.is_available() and isinstance(process_group, dist.ProcessGroup)):
         raise TypeError(f"process_group must be a torch.distributed ProcessGroup (dist.new_group(...)) or None, "
                         f"got {type(process_group).__name__}")
+    # under torch.autocast, cast before the contraction (as tensornet.contract does): its backward
+    # then runs in the cast dtype and autograd carries the gradients back through the casts
+    operands = parser.autocast_operands(tuple(operands))
     meta = any(isinstance(op, torch.Tensor) and op.device.type == "meta" for op in operands)
     if not (dist.is_available() and dist.is_initialized()) or meta:
         # local (meta operands have no values: their result's shape is the same on every rank)
