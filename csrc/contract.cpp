@@ -492,7 +492,7 @@ void layout_copy(at::Tensor dst, const at::Tensor& src) {
 // t.reshape(shape); a copy (when the memory order does not allow a view) is split across the
 // GEMM team along the first dimension with a part per thread. On the CPU the copy is tiled, so
 // that a permutation moving the source's contiguous dimension outward still reads and writes
-// whole cache lines (2-6x ATen's copy_ for the permuted intermediates of lattice sweeps).
+// whole cache lines (cpu/strided_copy.h: 1.3-7x ATen's copy_ on runs of 2-16 elements).
 at::Tensor reshape_for_gemm(const at::Tensor& t, at::IntArrayRef shape) {
   if (!t.device().is_cpu() || t.is_conj() || t.is_neg() || at::detail::computeStride(t.sizes(), t.strides(), shape))
     return t.reshape(shape);

@@ -1,5 +1,7 @@
 #include "cpu/strided_copy.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -125,7 +127,7 @@ bool strided_copy_cpu(at::Tensor& dst, const at::Tensor& src) {
   std::stable_sort(dims.begin(), dims.end(), [](const Dim& a, const Dim& b) { return a.t > b.t; });
   for (size_t i = 0; i < dims.size(); ++i) {
     const int64_t inner = i + 1 < dims.size() ? dims[i + 1].t * dims[i + 1].n : 1;
-    if (dims[i].s < 0 || dims[i].t < inner) return false;
+    if (dims[i].t < inner) return false;
   }
   // Merge dimensions that are one block on both sides.
   std::vector<Dim> coalesced;

@@ -10,14 +10,12 @@
 #pragma once
 
 #include <ATen/ATen.h>
-#include <ATen/MemoryOverlap.h>
 
 namespace torch_gradops {
 
 // dst.copy_(src) for strided CPU tensors of the same sizes and dtype, without conj or neg bits,
 // whose memory does not overlap, on the calling thread (the caller splits larger copies across
-// threads). Returns false, copying
-// nothing, when the tensors do not qualify (then use copy_).
+// threads). Returns false, copying nothing, when the tensors do not qualify (then use copy_).
 bool strided_copy_cpu(at::Tensor& dst, const at::Tensor& src);
 
 }  // namespace torch_gradops
