@@ -819,6 +819,33 @@ def test_exported_layers_with_dynamic_sizes_run_and_differentiate(layer):
     close(xs.grad, xr.grad)
 
 
+@pytest.mark.parametrize("layer", ["gat", "gatv2"])
+@pytest.mark.parametrize("warm", [False, True])
+def test_jit_trace_with_its_default_check(layer, warm):
+    """torch.jit.trace(conv, ...) failed its own check ("Graphs differed across invocations"):
+    the check run, under no_grad, found the CSC conversion cached and built no reverse index
+    (nothing required grad there), and GATConv added its bias in place. PyG's layers trace.
+    ``warm``: the layer ran eagerly on the same graph first (caches filled)."""
+    torch.manual_seed(0)
+    kw = dict(edge_dim=3) if layer == "gatv2" else {}
+    conv = (GATConv if layer == "gat" else tgnn.GATv2Conv)(5, 4, heads=2, **kw)
+    x, ei = torch.randn(20, 5), random_graph(20, 20, 60, seed=0)
+    args = (x, ei) + ((torch.randn(60, 3),) if kw else ())
+    if warm:
+        conv(*args).sum().backward()
+        conv.zero_grad()
+    traced = torch.jit.trace(conv, args)  # default check_trace=True
+    close(traced(*args), conv(*args))
+    # the same node count, another graph: the conversion is in the traced graph, not a constant
+    args2 = (x, random_graph(20, 20, 60, seed=1)) + args[2:]
+    xs, xr = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out, ref = traced(xs, *args2[1:]), conv(xr, *args2[1:])
+    close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    close(xs.grad, xr.grad)
+
+
 # ------------------------------------------------------------------------------ Cora
 def test_cora_loader():
     from torch_gradops.datasets import load_cora, planetoid_dir

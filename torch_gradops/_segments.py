@@ -147,10 +147,17 @@ class _GatherRows(torch.autograd.Function):
         return _GatherRows.apply(t_t, ctx.index)
 
 
+def plain_ops() -> bool:
+    """Whether to use plain PyTorch ops instead of the segment Functions: under ``torch.compile``
+    (which traces plain ops only) and under ``torch.jit.trace`` (whose tracer cannot record a
+    Function taking a :class:`Segments`)."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """``t.index_select(0, index)``, differentiable into deterministic sums at every order
-    (under ``torch.compile``, which traces plain ops only, ``index_select`` itself)."""
-    if torch.compiler.is_compiling():
+    (under ``torch.compile`` or ``torch.jit.trace``, ``index_select`` itself)."""
+    if plain_ops():
         return t.index_select(0, index)
     return _GatherRows.apply(t, plain_tensor(index))
 
@@ -158,8 +165,8 @@ def gather_rows(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 def sum_sorted_rows(x: torch.Tensor, ptr: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
     """``[R, ...] -> [len(ptr) - 1, ...]``: rows already grouped by ``segment`` (non-decreasing,
     with ``ptr`` its segment boundaries) summed by :func:`segment_sum` (under ``torch.compile``
-    by ``index_add``)."""
-    if torch.compiler.is_compiling():
+    or ``torch.jit.trace`` by ``index_add``)."""
+    if plain_ops():
         return x.new_zeros((ptr.numel() - 1,) + tuple(x.shape[1:])).index_add(0, segment, x)
     return segment_sum(x, Segments.contiguous(ptr, segment))
 
@@ -167,9 +174,9 @@ def sum_sorted_rows(x: torch.Tensor, ptr: torch.Tensor, segment: torch.Tensor) -
 def index_add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """``total.index_add(0, index, rows)``, deterministic: the rows of each id summed in row
     order by :func:`segment_sum`, then added once per distinct id. In place when torch allows
-    (not an unbatched ``total`` taking batched rows under vmap). Under ``torch.compile``,
-    ``index_add`` itself."""
-    if torch.compiler.is_compiling():
+    (not an unbatched ``total`` taking batched rows under vmap). Under ``torch.compile`` or
+    ``torch.jit.trace``, ``index_add`` itself."""
+    if plain_ops():
         return total.index_add(0, index, rows)
     segs, ids = Segments.of_index(index)
     sums = segment_sum(rows, segs)

@@ -787,7 +787,9 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
     # The reverse index serves reverse-mode gradients; an input with a forward-mode tangent may
     # have its tangent's graph differentiated later (jacrev over jvp), so it gets one too. Under
     # torch.compile requires_grad does not show through torch.func transforms: always built.
-    want_reverse = torch.is_grad_enabled() and (
+    # Under torch.jit.trace always: trace's check run records under no_grad, where nothing
+    # requires grad, and a traced graph must not depend on that (nor lack the index later).
+    want_reverse = torch.jit.is_tracing() or torch.is_grad_enabled() and (
         compiling or any(t.requires_grad or has_tangent(t) for t in grad_inputs))
     rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
     rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)

@@ -656,7 +656,7 @@ def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope:
         return (out, graph.original_order(alpha)) if return_attention else out
     # An input with a forward-mode tangent may have its tangent's graph differentiated later
     # (autograd over jvp), so it gets the reverse index too, as in gat_attention.
-    want_reverse = torch.is_grad_enabled() and (
+    want_reverse = torch.jit.is_tracing() or torch.is_grad_enabled() and (
         compiling or any(t is not None and (t.requires_grad or has_tangent(t)) for t in diff))
     rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
     rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)

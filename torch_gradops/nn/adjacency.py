@@ -221,10 +221,12 @@ def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) 
         src, dst, dst_sorted = edge_list(edge_index)
         return csc_from_edges(src, dst, num_src, num_dst, self_loops=num_loops, dst_sorted=dst_sorted)
 
-    if torch.compiler.is_compiling() or _is_inference(edge_index):
+    if torch.compiler.is_compiling() or torch.jit.is_tracing() or _is_inference(edge_index):
         # Under torch.compile the conversion is traced into the graph (static-shape ops);
-        # a Python-side cache cannot live inside a compiled region. An inference tensor has no
-        # version counter: an in-place edit of it could not be told from a cache hit.
+        # a Python-side cache cannot live inside a compiled region. Under torch.jit.trace a hit
+        # would leave the conversion out of the recorded graph (its check run then records a
+        # different graph from the first). An inference tensor has no version counter: an
+        # in-place edit of it could not be told from a cache hit.
         return build()
     key = (num_src, num_dst, num_loops)
     version = (_version(edge_index), _content_key(edge_index))
@@ -386,7 +388,7 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
     Edge features that need no gradient are usually fixed data, passed again every step: the
     result is then cached per ``edge_attr`` (one entry, keyed and invalidated like the CSC
     conversion), so the loop features' reduction and the reordering (three passes over
-    ``E x edge_dim``) run once. Not cached under ``torch.compile``, inference mode (an inference
+    ``E x edge_dim``) run once. Not cached under ``torch.compile`` or ``torch.jit.trace``, inference mode (an inference
     tensor cannot be saved for a later backward), for an inference tensor (no version counter),
     under torch.func transforms (of any input: what they compute is their wrappers), with a
     Tensor ``fill_value``, or where the result is ``edge_attr``'s own memory (nothing to save)."""
@@ -396,7 +398,8 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
         return graph.edge_order(full)
 
     _check_edge_attr(edge_attr, edge_dim)  # (before the cache: a hit must not skip it)
-    if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+    if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
+            or torch.is_inference_mode_enabled()
             or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)
             or torch._C._are_functorch_transforms_active()):  # (its results are the transforms' wrappers)
         return build()

@@ -203,8 +203,9 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         out = out.reshape(-1, self.heads * self.out_channels) if self.concat else out.mean(dim=1)
         # Without autograd recording, `out` is a fresh tensor nobody else holds: add in place
         # (saves one [N, H*C] buffer in inference). With autograd, the op saved `out` for its
-        # backward, so it must not be modified.
-        in_place = not (torch.is_grad_enabled() and out.requires_grad)
+        # backward, so it must not be modified. Not under torch.jit.trace either: its check run
+        # records under no_grad, and the traced graph must not depend on the grad mode.
+        in_place = not (torch.is_grad_enabled() and out.requires_grad or torch.jit.is_tracing())
         if res is not None:
             out = out.add_(res) if in_place and res.dtype == out.dtype else out + res
         if self.bias is not None:
