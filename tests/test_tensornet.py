@@ -810,6 +810,30 @@ def test_retain_graph_and_second_backward(slicing):
         torch.autograd.grad(out, a)
 
 
+@pytest.mark.parametrize("kw", [{}, dict(slicing=["i"]), dict(optimize="greedy"), dict(memory_limit=8)])
+def test_scalar_output_gradient_edited_in_place_then_second_backward(kw):
+    """A one-element output's backward hands out the forward's unit-cotangent gradients as they
+    are; they were also its saved tensors, so a caller scaling the gradient it got in place
+    (clipping) made a retained graph's next backward fail the version check (torch.einsum:
+    the right gradient again)."""
+    gen = torch.Generator().manual_seed(15)
+    a, b = _rand((3, 4), gen=gen, requires_grad=True), _rand((3, 4), gen=gen)
+    c = _rand((4, 2), gen=gen, requires_grad=True)
+    loss = tn.contract("ij,ij,jk->", a, b, c, **kw)
+    ref = torch.autograd.grad(torch.einsum("ij,ij,jk->", a, b, c), [a, c])
+    g1 = torch.autograd.grad(loss, [a, c], retain_graph=True)
+    for g, r in zip(g1, ref):
+        _close(g, r)
+        g.mul_(0.5)
+    g2 = torch.autograd.grad(loss, [a, c], retain_graph=True)
+    g3 = torch.autograd.grad(2 * loss, [a, c])  # a scaled cotangent, last use of the graph
+    for x, y, r in zip(g2, g3, ref):
+        _close(x, r)
+        _close(y, 2 * r)
+    with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+        torch.autograd.grad(loss, a)
+
+
 def test_grad_subset_and_no_work_for_unneeded(monkeypatch):
     gen = torch.Generator().manual_seed(14)
     a = _rand((3, 4), gen=gen, requires_grad=True)
@@ -3073,6 +3097,15 @@ def test_cotengra_search_edge_cases():
     # more min_slices than the network has: the planner's own message, not cotengra's KeyError
     with pytest.raises(ValueError, match="cannot reach min_slices=8"):
         tn.plan("ab,bc->", (2, 2), (2, 2), optimize="cotengra", slicing={"min_slices": 8})
+    # ... refused before the search: each of its trials warned "Trial error: 'd'" first. Modes
+    # in one operand only (a, c, i, g) cannot be sliced: 3 slices (mode b) at most.
+    eq = "b,abci,gj,ffb,ej,b,bjbe,be,->befj"
+    shapes = [(3,), (2, 3, 3, 2), (2, 1), (1, 1, 3), (1, 1), (3,), (3, 1, 3, 1), (3, 1), ()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="cannot reach min_slices=4; only 3 slice"):
+            tn.plan(eq, *shapes, slicing={"min_slices": 4})
+        assert tn.plan(eq, *shapes, slicing={"min_slices": 3}).num_slices == 3
     # a cotengra optimizer object keeps its tree: reused for another network it returned that tree
     opt = ctg.HyperOptimizer(max_repeats=2, progbar=False, parallel=False)
     tn.plan("ab,bc,cd->ad", (2, 3), (3, 4), (4, 5), optimize=opt)

@@ -152,7 +152,15 @@ class ContractFunction(torch.autograd.Function):
         ctx.mark_non_differentiable(*extra)
         ctx.set_materialize_grads(False)  # no zero gradients for the (operand-sized) extra outputs
         ctx.plan, ctx.slices, ctx.mode, ctx.n_operands, ctx.n_extra = plan, slices, mode, len(operands), len(extra)
-        ctx.save_for_backward(*operands, *extra)
+        if mode == FUSED:
+            # The unit gradients are handed to the caller as they are (no copy) by the first
+            # backward, so they are not saved tensors: a caller editing its gradient in place
+            # would fail a retained graph's next backward on the version check. Held here
+            # (detached: no reference cycle) until that first backward; a later one recomputes.
+            ctx.save_for_backward(*operands)
+            ctx.units = [u.detach() for u in extra]
+        else:
+            ctx.save_for_backward(*operands, *extra)
         ctx.save_for_forward(*operands)
 
     @staticmethod
@@ -171,12 +179,16 @@ class ContractFunction(torch.autograd.Function):
             # batched checks): gradients as contractions through this Function, whose vmap and
             # jvp rules apply; the fused backward ops have no batching rule
             grads = _derivative_gradients(ctx.plan, list(operands), grad_out, ctx.slices, needs)
+        elif ctx.mode == FUSED and ctx.units is None:  # a second backward (retain_graph): recompute
+            raw = _backward(ctx.plan, operands, ctx.slices, grad_out, needs)
+            grads = [g if n else None for g, n in zip(raw, needs)]
         elif ctx.mode == FUSED:
+            units, ctx.units = ctx.units, None  # used once, and not kept past this backward
             g = grad_out.reshape(()).to(operands[0].dtype)
             # a unit output gradient (loss.backward()) takes the forward's gradients as they are,
             # not a scaled copy of each (on the CPU, where asking costs no device sync)
             unit = g.device.type == "cpu" and not is_legacy_batched(g) and bool(g == 1)
-            grads = [(u if unit else u * g) if n else None for u, n in zip(extra, needs)]
+            grads = [(u if unit else u * g) if n else None for u, n in zip(units, needs)]
         else:
             raw = _backward(ctx.plan, operands, ctx.slices, grad_out, needs, extra)
             grads = [g if n else None for g, n in zip(raw, needs)]
