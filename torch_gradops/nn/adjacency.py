@@ -388,10 +388,11 @@ def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_lo
     Edge features that need no gradient are usually fixed data, passed again every step: the
     result is then cached per ``edge_attr`` (one entry, keyed and invalidated like the CSC
     conversion), so the loop features' reduction and the reordering (three passes over
-    ``E x edge_dim``) run once. Not cached under ``torch.compile`` or ``torch.jit.trace``, inference mode (an inference
-    tensor cannot be saved for a later backward), for an inference tensor (no version counter),
-    under torch.func transforms (of any input: what they compute is their wrappers), with a
-    Tensor ``fill_value``, or where the result is ``edge_attr``'s own memory (nothing to save)."""
+    ``E x edge_dim``) run once. Not cached under ``torch.compile`` or ``torch.jit.trace``,
+    inference mode (an inference tensor cannot be saved for a later backward), for an inference
+    tensor (no version counter), under torch.func transforms (of any input: what they compute is
+    their wrappers), with a Tensor ``fill_value``, or where the result is ``edge_attr``'s own
+    memory (nothing to save)."""
     def build():  # (a cache hit's edge_attr was read and checked when its entry was built)
         ea = edge_attr_2d(edge_attr, edge_index, dtype)  # (its width is checked below, once)
         full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])

@@ -179,17 +179,14 @@ class ContractFunction(torch.autograd.Function):
             # batched checks): gradients as contractions through this Function, whose vmap and
             # jvp rules apply; the fused backward ops have no batching rule
             grads = _derivative_gradients(ctx.plan, list(operands), grad_out, ctx.slices, needs)
-        elif ctx.mode == FUSED and ctx.units is None:  # a second backward (retain_graph): recompute
-            raw = _backward(ctx.plan, operands, ctx.slices, grad_out, needs)
-            grads = [g if n else None for g, n in zip(raw, needs)]
-        elif ctx.mode == FUSED:
+        elif ctx.mode == FUSED and ctx.units is not None:  # (a later backward recomputes, below)
             units, ctx.units = ctx.units, None  # used once, and not kept past this backward
             g = grad_out.reshape(()).to(operands[0].dtype)
             # a unit output gradient (loss.backward()) takes the forward's gradients as they are,
             # not a scaled copy of each (on the CPU, where asking costs no device sync)
             unit = g.device.type == "cpu" and not is_legacy_batched(g) and bool(g == 1)
             grads = [(u if unit else u * g) if n else None for u, n in zip(units, needs)]
-        else:
+        else:  # (FUSED: nothing extra saved)
             raw = _backward(ctx.plan, operands, ctx.slices, grad_out, needs, extra)
             grads = [g if n else None for g, n in zip(raw, needs)]
         return (None, None, None) + tuple(grads)

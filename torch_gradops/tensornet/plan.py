@@ -2,7 +2,6 @@
 shapes, dtype and device type), :func:`build_plan`, and the plan cache."""
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import math
@@ -373,6 +372,12 @@ def _forced_modes(slicing, network: parser.Network):
     for t in network.inputs:
         for m in t:
             counts[m] = counts.get(m, 0) + 1
+    if min_slices:  # refused before the search, whose trials would each fail on it (cotengra warns)
+        # only modes in two operands or the output can be sliced (as checked for listed modes below)
+        possible = math.prod(e for m, e in network.sizes.items()
+                             if e > 1 and (counts.get(m, 0) > 1 or m in network.output))
+        if possible < min_slices:
+            raise ValueError(f"slicing: cannot reach min_slices={min_slices}; only {possible} slice(s) possible")
     forced: List[int] = []
     chunked: Dict[int, int] = {}
     for lab in mode_list:
@@ -605,12 +610,6 @@ def build_plan(expr, terms, output, shapes, dtype, device_type, memory_limit, op
     if chunked:  # modes to slice in ranges: their chunk modes are modes of the network, sliced
         network, chunk_ids = parser.split_modes(network, chunked)
         forced += [chunk_ids[m] for m in sorted(chunked)]
-    if min_slices:  # before the search, whose trials would fail on it one by one (cotengra warns)
-        # only modes in two operands or the output can be sliced (as for slicing=[modes])
-        counts = collections.Counter(m for t in network.inputs for m in t)
-        possible = math.prod(e for m, e in network.sizes.items() if e > 1 and (counts[m] > 1 or m in network.output))
-        if possible < min_slices:
-            raise ValueError(f"slicing: cannot reach min_slices={min_slices}; only {possible} slice(s) possible")
     if max_overhead is not None and not (isinstance(max_overhead, (int, float)) and max_overhead >= 1):
         raise ValueError(f"max_overhead must be a number >= 1 or None, got {max_overhead!r}")
     slicing_ = _Slicing(network, limit_elems, min_slices, forced, dtype.is_complex, reserve, max_overhead)
