@@ -1,0 +1,127 @@
+"""Where the fused GATv2 op's CPU time goes: forward and backward by the gradients asked for.
+
+The backward (``torch.ops.torch_gradops.gatv2_backward``) runs pass 1 (per destination) for
+any gradient, and pass 2 (per source, over the reverse index) only for ``x_src``'s. Asking
+for gradients one group at a time separates the costs:
+
+* ``att``: pass 1 alone (scores, softmax and ``att``'s partial sums; no ``dz`` rows kept);
+* ``att+x_dst``: adds the ``x_dst`` rows of ``dz``;
+* ``att+x_dst+edge_weight``: adds the ``dz`` rows kept per tile and the ``edge_weight``
+  products (``edge_attr^T dz``), with ``edge_dim``;
+* ``all``: the layer's backward (``x_src``, ``x_dst``, ``att``, ``edge_weight``), i.e. pass 2 on top;
+* ``x_src``: pass 1's scores and workspaces plus pass 2.
+
+Every configuration runs in one process, the forward and the backward variants alternating,
+``--repeats`` rounds; medians in ms. On a shared VM one process's rounds are steadier than
+separate processes. Uniform random graph (seed 0), ``H=8``, ``C=32``, fp32.
+
+    python benchmarks/gatv2_passes.py                       # N=100k/E=2M, edge_dim 0 and 16
+    python benchmarks/gatv2_passes.py --sizes 50000:1000000 --edge-dims 16
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _common import machine_info, run_worker, write_json  # noqa: E402
+
+# name -> (x_src, x_dst, att, edge_attr, edge_weight) gradients asked for
+VARIANTS = {
+    "att": (False, False, True, False, False),
+    "att+x_dst": (False, True, True, False, False),
+    "att+x_dst+edge_weight": (False, True, True, False, True),
+    "all": (True, True, True, False, True),
+    "x_src": (True, False, False, False, False),
+}
+
+
+def worker(a) -> dict:
+    import torch
+    torch.set_num_threads(a.threads)
+    sys.path.insert(0, os.path.dirname(HERE))
+    from torch_gradops import BipartiteCSC
+    ops = torch.ops.torch_gradops
+    H, C, K = a.heads, a.channels, a.edge_dim
+    g = torch.Generator().manual_seed(0)
+    edge_index = torch.randint(0, a.nodes, (2, a.edges), generator=g)
+    graph = BipartiteCSC.from_edge_index(edge_index, num_src=a.nodes, num_dst=a.nodes)
+    rev = graph.reverse_index()
+    xs = torch.randn(a.nodes, H, C, generator=g)
+    xd = torch.randn(a.nodes, H, C, generator=g)
+    att = torch.randn(H, C, generator=g) * 0.1
+    ea = torch.randn(a.edges, K, generator=g) if K else None
+    w = torch.randn(K, H, C, generator=g) * 0.1 if K else None
+
+    def forward():
+        return ops.gatv2_forward(xs, xd, att, ea, w, graph.indptr, graph.indices, None, 0.2, 1.0, False)
+
+    out, lse, _ = forward()
+    grad_out = torch.randn_like(out)
+
+    def backward(mask):
+        mask = list(mask)
+        mask[4] = mask[4] and K > 0
+        ops.gatv2_backward(grad_out, None, out, lse, xs, xd, att, ea, w, graph.indptr, graph.indices,
+                           rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0, mask)
+
+    calls = {"forward": forward, **{name: (lambda m=m: backward(m)) for name, m in VARIANTS.items()}}
+    for fn in calls.values():  # warm-up
+        fn()
+    times = {name: [] for name in calls}
+    for _ in range(a.repeats):
+        for name, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {"median_ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+            "times_ms": {k: [round(1e3 * t, 1) for t in v] for k, v in times.items()}}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--nodes", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--edges", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--edge-dim", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--sizes", default="100000:2000000", help="comma-separated N:E pairs")
+    p.add_argument("--edge-dims", default="0,16")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--channels", type=int, default=32)
+    p.add_argument("--out", default=os.path.join(HERE, "results", "gatv2_passes_cpu.json"))
+    a = p.parse_args()
+    if a.worker:
+        import json
+        print(json.dumps(worker(a)))
+        return
+    rows = []
+    for size in a.sizes.split(","):
+        n, e = (int(v) for v in size.split(":"))
+        for k in (int(v) for v in a.edge_dims.split(",")):
+            res = run_worker(os.path.abspath(__file__),
+                             ["--nodes", str(n), "--edges", str(e), "--edge-dim", str(k), "--threads", str(a.threads),
+                              "--repeats", str(a.repeats), "--heads", str(a.heads), "--channels", str(a.channels)],
+                             env={"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)})
+            rows.append({"nodes": n, "edges": e, "edge_dim": k, **res})
+    names = ["forward"] + list(VARIANTS)
+    print(f"{'N / E / edge_dim':<24}" + "".join(f"{n:>24}" for n in names))
+    for r in rows:
+        label = f"{r['nodes']} / {r['edges']} / {r['edge_dim']}"
+        if "error" in r:
+            print(f"{label:<24} error: {r['error'][-300:]}")
+            continue
+        print(f"{label:<24}" + "".join(f"{r['median_ms'][n]:>21.0f} ms" for n in names))
+    write_json(a.out, {"benchmark": "gatv2_passes", "machine": machine_info("cpu"),
+                       "method": "one process per configuration; forward and backward variants alternating; "
+                                 "medians of --repeats rounds after a warm-up",
+                       "heads": a.heads, "channels": a.channels, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
