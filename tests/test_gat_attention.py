@@ -595,6 +595,48 @@ def test_cached_graph_indices_follow_in_place_edits(edit):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("how", ["pickle", "deepcopy", "torch.save"])
+def test_copied_graph_drops_indices_made_stale_before_the_copy(how):
+    # A copy does not keep version counters (a loaded tensor counts from its own start), but it
+    # kept the cached reverse index and the counters seen when it was built: with arrays filled
+    # in place once (versions (1, 1), the usual way to build them), an index gone stale before
+    # the copy matched the copy's counters and gave wrong gradients silently.
+    import copy
+    import io
+    import pickle
+    n = 6
+    indptr = torch.zeros(n + 1, dtype=torch.int64)
+    indptr[1:] = torch.full((n,), 2).cumsum(0)
+    indices = torch.empty(2 * n, dtype=torch.int64)
+    indices[:] = torch.tensor([0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 0])
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 1, 3, generator=g, dtype=torch.float64, requires_grad=True)
+    a_s, a_d = torch.randn(n, 1, generator=g, dtype=torch.float64), torch.randn(n, 1, generator=g, dtype=torch.float64)
+
+    def grad(graph):
+        return torch.autograd.grad(tg.gat_attention(x, a_s, a_d, graph).square().sum(), x)[0]
+
+    def saved(o):
+        buf = io.BytesIO()
+        torch.save(o, buf)
+        buf.seek(0)
+        return torch.load(buf, weights_only=False)
+
+    copier = {"pickle": lambda o: pickle.loads(pickle.dumps(o)), "deepcopy": copy.deepcopy, "torch.save": saved}[how]
+    graph = tg.BipartiteCSC.from_csc(indptr, indices, n)
+    assert graph._versions() == (1, 1)
+    grad(graph)  # builds the reverse index
+    with torch.no_grad():
+        graph.indices[:] = torch.tensor([5, 4, 3, 2, 1, 0, 0, 1, 2, 3, 4, 5])
+    clone = copier(graph)
+    want = grad(tg.BipartiteCSC.from_csc(clone.indptr.clone(), clone.indices.clone(), n))
+    torch.testing.assert_close(grad(clone), want, rtol=0, atol=0)
+    # a current index survives the copy and serves it
+    fresh = copier(clone)
+    assert fresh._reverse is not None
+    torch.testing.assert_close(grad(fresh), want, rtol=0, atol=0)
+
+
 def test_gat_backward_never_reads_unwritten_workspace():
     # The raw op trusts its reverse index to be the graph's; one that misses edges left the CPU
     # kernel's [E, H] workspace uninitialised there, and those gradients came back as garbage

@@ -225,6 +225,21 @@ class BipartiteCSC:
             self._dst = self._reverse = self._inv_perm = None
             self._versions_seen = seen
 
+    def __getstate__(self):
+        # Copies (pickle, torch.save, copy, deepcopy) do not keep version counters: a loaded
+        # tensor starts again at its own count. Keep only derived indices that are current now,
+        # and tie them to the copy's counters in __setstate__ (a stale index that happened to
+        # match the copy's counters gave wrong gradients silently).
+        self._drop_stale()
+        state = self.__dict__.copy()
+        state["_versions_seen"] = None
+        return state
+
+    def __setstate__(self, state) -> None:
+        self.__dict__.update(state)
+        if not torch.compiler.is_compiling():
+            self._versions_seen = self._versions()
+
     def _building(self):
         """The mode to build the cached indices in: normal tensors (not inference ones) for a
         graph of normal tensors, even under ``torch.inference_mode()``; an inference tensor
