@@ -8,8 +8,13 @@ for gradients one group at a time separates the costs:
 * ``att+x_dst``: adds the ``x_dst`` rows of ``dz``;
 * ``att+x_dst+edge_weight``: adds the ``dz`` rows kept per tile and the ``edge_weight``
   products (``edge_attr^T dz``), with ``edge_dim``;
-* ``all``: the layer's backward (``x_src``, ``x_dst``, ``att``, ``edge_weight``), i.e. pass 2 on top;
-* ``x_src``: pass 1's scores and workspaces plus pass 2.
+* ``all``: the layer's backward (``x_src``, ``x_dst``, ``att``, ``edge_weight``);
+* ``x_src``: ``x_src``'s gradient alone.
+
+``x_src``'s gradient is computed either by pass 2 (per source, over the reverse index: ``reverse``)
+or scattered into per-group partials in pass 1 (``scatter``); the kernel picks one by the machine's
+thread count and memory (see ``scatter_groups`` in ``csrc/cpu/gatv2_cpu.cpp``). The two variants
+that ask for it run both ways, forced with ``TORCH_GRADOPS_GATV2_SOURCE_PASS``.
 
 Every configuration runs in one process, the forward and the backward variants alternating,
 ``--repeats`` rounds; medians in ms. On a shared VM one process's rounds are steadier than
@@ -38,6 +43,13 @@ VARIANTS = {
     "all": (True, True, True, False, True),
     "x_src": (True, False, False, False, False),
 }
+SOURCE_PASSES = ("reverse", "scatter")
+
+
+def variant_names():
+    """Every timed call: the forward, then each variant (those with x_src's gradient once per source pass)."""
+    return ["forward"] + [f"{name} ({how})" if mask[0] else name for name, mask in VARIANTS.items()
+                          for how in (SOURCE_PASSES if mask[0] else (None,))]
 
 
 def worker(a) -> dict:
@@ -63,13 +75,17 @@ def worker(a) -> dict:
     out, lse, _ = forward()
     grad_out = torch.randn_like(out)
 
-    def backward(mask):
+    def backward(mask, how):
         mask = list(mask)
         mask[4] = mask[4] and K > 0
+        os.environ["TORCH_GRADOPS_GATV2_SOURCE_PASS"] = how or "auto"
         ops.gatv2_backward(grad_out, None, out, lse, xs, xd, att, ea, w, graph.indptr, graph.indices,
                            rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0, mask)
 
-    calls = {"forward": forward, **{name: (lambda m=m: backward(m)) for name, m in VARIANTS.items()}}
+    calls = {"forward": forward}
+    for name in variant_names()[1:]:
+        base, _, how = name.partition(" (")
+        calls[name] = lambda m=VARIANTS[base], h=how.rstrip(")") or None: backward(m, h)
     for fn in calls.values():  # warm-up
         fn()
     times = {name: [] for name in calls}
@@ -109,7 +125,7 @@ def main():
                               "--repeats", str(a.repeats), "--heads", str(a.heads), "--channels", str(a.channels)],
                              env={"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)})
             rows.append({"nodes": n, "edges": e, "edge_dim": k, **res})
-    names = ["forward"] + list(VARIANTS)
+    names = variant_names()
     print(f"{'N / E / edge_dim':<24}" + "".join(f"{n:>24}" for n in names))
     for r in rows:
         label = f"{r['nodes']} / {r['edges']} / {r['edge_dim']}"

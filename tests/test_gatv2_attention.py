@@ -367,6 +367,47 @@ def test_powerlaw_graph_at_every_thread_count(by_degree):
         assert all(torch.equal(a, b) for a, b in zip(runs[0], run))
 
 
+@pytest.mark.parametrize("edge_mode", EDGE_MODES)
+@pytest.mark.parametrize("source_pass", ["reverse", "scatter"])
+def test_both_source_passes(source_pass, edge_mode, monkeypatch):
+    """x_src's CPU gradient comes from pass 2 over the reverse index, or is scattered in pass 1
+    into one partial per group of chunks; the kernel picks by the machine's thread count and
+    memory (small graphs: scatter), TORCH_GRADOPS_GATV2_SOURCE_PASS forces either. Both against
+    the float64 reference on a graph of several backward chunks with hub sources, with dropout
+    and attention weights in the loss, in float16 against float64, and bitwise equal across
+    thread counts."""
+    monkeypatch.setenv("TORCH_GRADOPS_GATV2_SOURCE_PASS", source_pass)
+    g = torch.Generator().manual_seed(4)
+    n, e = 300, 6000
+    ei = torch.stack([torch.randint(0, 40, (e,), generator=g), torch.randint(0, n, (e,), generator=g)])
+    ei[0, ::7] = torch.randint(40, n, (len(range(0, e, 7)),), generator=g)  # and some light sources
+    graph = tg.BipartiteCSC.from_edge_index(ei, n, n)
+    inputs = make_inputs(n, n, e, 4, 8, torch.float64, "cpu", edge_mode=edge_mode, edge_dim=5)
+    out, alpha = call(inputs, graph, dropout=0.3, training=True, return_attention=True)
+    keep = alpha != 0
+    ref, ref_alpha = reference(inputs, ei, n, keep_mask=keep, keep_scale=1 / 0.7)
+    torch.testing.assert_close(out, ref)
+    go, ga = torch.randn_like(out), torch.randn_like(alpha)
+    assert_grads_close(grads_of((out, alpha), inputs, (go, ga)), grads_of((ref, ref_alpha), inputs, (go, ga)),
+                       atol=1e-11, rtol=1e-9)
+    half = [None if t is None else t.detach().half().requires_grad_() for t in inputs]
+    exact = [None if t is None else t.detach().double().requires_grad_() for t in half]
+    out_h, ref_h = call(half, graph), reference(exact, ei, n)[0]
+    assert_grads_close(grads_of(out_h, half, go.half()), grads_of(ref_h, exact, go.half().double()),
+                       atol=2e-2, rtol=2e-2)
+    inputs32 = [None if t is None else t.detach().float().requires_grad_() for t in inputs]
+
+    def run():
+        return grads_of(call(inputs32, graph), inputs32, go.float())
+
+    runs = runs_at_thread_counts(run, (1, 2, 3))
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+    monkeypatch.setenv("TORCH_GRADOPS_GATV2_SOURCE_PASS", "sideways")
+    with pytest.raises(RuntimeError, match="TORCH_GRADOPS_GATV2_SOURCE_PASS must be auto, scatter or reverse"):
+        run()
+
+
 def test_retain_graph_semantics():
     ei, ns, nd = make_graph("random")
     graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)

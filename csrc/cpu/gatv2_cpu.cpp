@@ -16,7 +16,10 @@
 //           per-chunk partial sums of grad att (ds*leaky_relu(z)) and grad edge_weight
 //           (edge_attr^T dz); ds and alpha-after-dropout go to [E,H] workspaces;
 //   the partials are summed over the chunks in chunk order;
-//   pass 2, per source over the reverse index: grad x_src = sum of A*g_i + dz (z recomputed).
+//   grad x_src = sum over a source's edges of A*g_i + dz: where the machine's thread count and
+//   memory allow (scatter_groups), pass 1 adds each edge's share to its source's row of a
+//   per-group partial, the partials summed in group order after; else pass 2, per source over
+//   the reverse index, with z recomputed.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -25,7 +28,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
+#include <string>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -376,6 +382,67 @@ inline void add_src_grad(acc_t* __restrict__ accx, const acc_t* __restrict__ z, 
   }
 }
 
+// An edge's shares of every gradient in one sweep over z, for pass 1 when it also scatters the
+// x_src gradient: p[f] += ds[h] * leaky_relu(z[f]) (kAtt), dz = ds[h] * att[f] * leaky_relu'(z[f])
+// added to gx (kDst) and written to dzr (kDz), and sx[f] += aw[h] * g[f] + dz, the same terms, in
+// the same order, as add_src_grad().
+template <typename acc_t, typename T, bool kAtt, bool kDst, bool kDz>
+inline void add_edge_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, acc_t* __restrict__ dzr,
+                           acc_t* __restrict__ sx, const acc_t* __restrict__ z, const acc_t* __restrict__ att,
+                           const acc_t* __restrict__ ds, const acc_t* __restrict__ aw, const T* __restrict__ g,
+                           acc_t slope, int64_t H, int64_t C) {
+  for (int64_t h = 0; h < H; ++h) {
+    const acc_t d = ds[h], a = aw[h];
+    for (int64_t f = h * C; f < (h + 1) * C; ++f) {
+      const acc_t v = z[f];
+      const bool pos = v > acc_t(0);
+      if constexpr (kAtt) p[f] += d * (pos ? v : v * slope);
+      const acc_t dzf = d * att[f] * (pos ? acc_t(1) : slope);
+      if constexpr (kDz) dzr[f] = dzf;
+      if constexpr (kDst) gx[f] += dzf;
+      sx[f] += a * static_cast<acc_t>(g[f]) + dzf;
+    }
+  }
+}
+
+// add_edge_grads() with the flags chosen at run time (null pointers: not wanted).
+template <typename acc_t, typename T>
+inline void add_edge_grads_any(acc_t* p, acc_t* gx, acc_t* dzr, acc_t* sx, const acc_t* z, const acc_t* att,
+                               const acc_t* ds, const acc_t* aw, const T* g, acc_t slope, int64_t H, int64_t C) {
+  auto run = [&](auto att_c, auto dst_c, auto dz_c) {
+    add_edge_grads<acc_t, T, decltype(att_c)::value, decltype(dst_c)::value, decltype(dz_c)::value>(
+        p, gx, dzr, sx, z, att, ds, aw, g, slope, H, C);
+  };
+  using T1 = std::true_type;
+  using F0 = std::false_type;
+  auto with_dz = [&](auto a, auto d) { dzr ? run(a, d, T1{}) : run(a, d, F0{}); };
+  auto with_dst = [&](auto a) { gx ? with_dz(a, T1{}) : with_dz(a, F0{}); };
+  p ? with_dst(T1{}) : with_dst(F0{});
+}
+
+// Groups of pass 1's chunks that scatter the x_src gradient into partials of their own (one
+// group's chunks run in order on one thread; the partials are summed in group order), or none:
+// then pass 2 computes it over the reverse index. Scattering saves pass 2's second recomputation
+// of every edge's pre-activation (with its edge projection), its loop and its two row gathers per
+// edge, for a read-modify-write of one row per edge in pass 1, but runs pass 1 on at most one
+// thread per group. So there is one group per hardware thread (at most one per chunk): the
+// grouping depends on the graph, the shapes and the machine, never on the thread count torch
+// uses. Chosen when the partials past the one held by the gradient itself take no more memory
+// than pass 2's two [E,H] workspaces; TORCH_GRADOPS_GATV2_SOURCE_PASS=scatter or =reverse forces
+// either way (tests, benchmarks).
+inline int64_t scatter_groups(int64_t num_src, int64_t HC, int64_t E, int64_t H, int64_t n_chunks, bool own_first) {
+  const char* force = std::getenv("TORCH_GRADOPS_GATV2_SOURCE_PASS");
+  const std::string how = force ? force : "auto";
+  TORCH_CHECK(how == "auto" || how == "scatter" || how == "reverse",
+              "TORCH_GRADOPS_GATV2_SOURCE_PASS must be auto, scatter or reverse, got '", how, "'");
+  if (how == "reverse") return 0;
+  const int64_t hw = std::max<int64_t>(1, static_cast<int64_t>(std::thread::hardware_concurrency()));
+  const int64_t groups = std::max<int64_t>(1, std::min(hw, n_chunks));
+  if (how == "scatter") return groups;
+  const int64_t extra = (own_first ? groups - 1 : groups) * num_src * HC;
+  return extra <= 2 * E * H ? groups : 0;
+}
+
 // Destination ranges of pass 1, each summed into its own partial of grad att / grad edge_weight,
 // the partials then reduced in range order: so the count and the boundaries must depend only on
 // the graph and the shapes, never on the thread count. Edge-balanced (hubs land in small
@@ -548,17 +615,40 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   check_ptr_ends(ptr, num_dst, E, "indptr");
   check_ptr_ends(b.rev_indptr.data_ptr<index_t>(), num_src, E, "rev_indptr");
 
-  // [E,H] workspaces for pass 2: ds and alpha after dropout.
-  at::Tensor ds_t = want_xs ? at::empty({E, H}, acc_opts) : at::Tensor();
-  at::Tensor aw_t = want_xs ? at::empty({E, H}, acc_opts) : at::Tensor();
-  acc_t* ds_ws = want_xs ? ds_t.data_ptr<acc_t>() : nullptr;
-  acc_t* aw_ws = want_xs ? aw_t.data_ptr<acc_t>() : nullptr;
-  scalar_t* gxd = want_xd ? gxd_t.data_ptr<scalar_t>() : nullptr;
-  scalar_t* gea = want_ea ? gea_t.data_ptr<scalar_t>() : nullptr;
   const int64_t att_part = want_att ? HC : 0;
   const int64_t partial_size = att_part + (want_w ? K * HC : 0);
   const std::vector<int64_t> bounds = chunk_bounds(ptr, num_dst, E, partial_size);
   const int64_t n_chunks = static_cast<int64_t>(bounds.size()) - 1;
+
+  // grad x_src: scattered in pass 1 into one partial per group of chunks (the first partial is
+  // the gradient itself when it has the accumulation type), or computed by pass 2.
+  constexpr bool kOwnFirst = std::is_same<scalar_t, acc_t>::value;
+  const int64_t n_groups = want_xs ? scatter_groups(num_src, HC, E, H, n_chunks, kOwnFirst) : 0;
+  const bool pass2 = want_xs && n_groups == 0;
+  at::Tensor sx_t;
+  std::vector<acc_t*> sx_parts(n_groups, nullptr);
+  if (n_groups) {
+    if (kOwnFirst) gxs_t.zero_();
+    sx_t = at::zeros({kOwnFirst ? n_groups - 1 : n_groups, num_src, HC}, acc_opts);
+    for (int64_t grp = 0; grp < n_groups; ++grp) {
+      sx_parts[grp] = kOwnFirst && grp == 0 ? reinterpret_cast<acc_t*>(gxs_t.data_ptr())
+                                            : sx_t.data_ptr<acc_t>() + (grp - (kOwnFirst ? 1 : 0)) * num_src * HC;
+    }
+  }
+  // Pass 1's tasks: task t runs chunks [task_bounds[t], task_bounds[t + 1]) in order (a group, or one chunk).
+  std::vector<int64_t> task_bounds;
+  for (int64_t t = 0; t <= (n_groups ? n_groups : n_chunks); ++t) {
+    task_bounds.push_back(n_groups ? t * n_chunks / n_groups : t);
+  }
+  const int64_t n_tasks = static_cast<int64_t>(task_bounds.size()) - 1;
+
+  // [E,H] workspaces for pass 2: ds and alpha after dropout.
+  at::Tensor ds_t = pass2 ? at::empty({E, H}, acc_opts) : at::Tensor();
+  at::Tensor aw_t = pass2 ? at::empty({E, H}, acc_opts) : at::Tensor();
+  acc_t* ds_ws = pass2 ? ds_t.data_ptr<acc_t>() : nullptr;
+  acc_t* aw_ws = pass2 ? aw_t.data_ptr<acc_t>() : nullptr;
+  scalar_t* gxd = want_xd ? gxd_t.data_ptr<scalar_t>() : nullptr;
+  scalar_t* gea = want_ea ? gea_t.data_ptr<scalar_t>() : nullptr;
   at::Tensor partial_t = partial_size ? at::zeros({n_chunks, partial_size}, acc_opts) : at::Tensor();
   acc_t* partial = partial_size ? partial_t.data_ptr<acc_t>() : nullptr;
 
@@ -575,8 +665,9 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   // Edges whose dz rows are kept in a tile for the grad edge_weight / edge_attr products.
   const bool batch_edges = want_w || want_ea_proj;
 
-  // Pass 1, per destination in fixed chunks (one task per chunk: its partial is its own).
-  at::parallel_for(0, n_chunks, 1, [&, slope, keep_scale, H, C, HC, K, Kp, mode](int64_t cbegin, int64_t cend) {
+  // Pass 1, per destination in fixed chunks (each chunk's partial is its own; a group's x_src
+  // partial is its own too).
+  at::parallel_for(0, n_tasks, 1, [&, slope, keep_scale, H, C, HC, K, Kp, mode](int64_t tbegin, int64_t tend) {
     EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode);
     std::vector<acc_t> xdi(HC), z(HC), dz(HC), gxd_acc(HC);
     // The last few edges (in order; flushed every kTile edges and at each chunk's end, so the
@@ -600,8 +691,10 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
       }
       n_batch = 0;
     };
-    std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H);
-    for (int64_t chunk = cbegin; chunk < cend; ++chunk) {
+    std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H), aw(H);
+    for (int64_t task = tbegin; task < tend; ++task) {
+    acc_t* sx = n_groups ? sx_parts[task] : nullptr;
+    for (int64_t chunk = task_bounds[task]; chunk < task_bounds[task + 1]; ++chunk) {
       acc_t* patt = want_att ? partial + chunk * partial_size : nullptr;
       acc_t* pw = want_w ? partial + chunk * partial_size + att_part : nullptr;
       for (int64_t i = bounds[chunk]; i < bounds[chunk + 1]; ++i) {
@@ -635,7 +728,10 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
           TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
           if (e + kPrefetchDistance < E) {
             const int64_t jn = idx[e + kPrefetchDistance];
-            if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
+            if (jn >= 0 && jn < num_src) {
+              prefetch_row(xs + jn * HC, HC);
+              if (sx) prefetch_row(sx + jn * HC, HC);
+            }
           }
           const scalar_t* xj = xs + j * HC;
           proj.preact(z.data(), xj, xdi.data(), e);
@@ -659,12 +755,15 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
               aw_ws[e * H + h] = alphas[h] * keeps[h];
             }
           }
-          if (patt && gxd && !want_ea && !want_w) {  // one sweep for both; no dz row
+          acc_t* dzr = batch_edges ? dz_batch.data() + n_batch * HC : dz.data();
+          if (sx) {  // one sweep for every gradient, x_src's scattered to the group's partial
+            for (int64_t h = 0; h < H; ++h) aw[h] = alphas[h] * keeps[h];
+            add_edge_grads_any<acc_t, scalar_t>(patt, gxd ? gxd_acc.data() : nullptr, want_ea || want_w ? dzr : nullptr,
+                                                sx + j * HC, z.data(), att, ds.data(), aw.data(), gi, slope, H, C);
+          } else if (patt && gxd && !want_ea && !want_w) {  // one sweep for both; no dz row
             add_att_dst_grads<acc_t, false>(patt, gxd_acc.data(), nullptr, z.data(), att, ds.data(), slope, H, C);
             continue;
-          }
-          acc_t* dzr = batch_edges ? dz_batch.data() + n_batch * HC : dz.data();
-          if (patt && gxd && need_dz) {  // one sweep for all three
+          } else if (patt && gxd && need_dz) {  // one sweep for all three
             add_att_dst_grads<acc_t, true>(patt, gxd_acc.data(), dzr, z.data(), att, ds.data(), slope, H, C);
           } else {
             if (patt) add_att_grad(patt, ds.data(), z.data(), slope, H, C);
@@ -689,7 +788,20 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
       }
       if (batch_edges) flush_batch(pw);  // a chunk's batch ends with it: the flush points are fixed
     }
+    }
   });
+
+  // The x_src partials, summed in group order.
+  if (n_groups) {
+    scalar_t* gxs = gxs_t.data_ptr<scalar_t>();
+    at::parallel_for(0, num_src * HC, 4096, [&](int64_t begin, int64_t end) {
+      for (int64_t f = begin; f < end; ++f) {
+        acc_t v = sx_parts[0][f];
+        for (int64_t grp = 1; grp < n_groups; ++grp) v += sx_parts[grp][f];
+        gxs[f] = static_cast<scalar_t>(v);
+      }
+    });
+  }
 
   // The partials, summed over the chunks in chunk order.
   if (partial) {
@@ -710,7 +822,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
 
   // Pass 2, per source over the reverse index: grad x_src = sum over its edges of A*g_i + dz,
   // with z recomputed (x_dst[i] and the edge term) and ds, A from the workspaces.
-  if (want_xs) {
+  if (pass2) {
     scalar_t* gxs = gxs_t.data_ptr<scalar_t>();
     const index_t* rptr = b.rev_indptr.data_ptr<index_t>();
     const index_t* redge = b.rev_edge.data_ptr<index_t>();
