@@ -61,13 +61,12 @@ def composite_gatv2(x_src, x_dst, att, src, dst, num_dst, edge_attr=None, edge_w
     return out.index_add(0, dst, alpha.unsqueeze(-1) * x_src.index_select(0, src))
 
 
-def worker(args) -> dict:
-    import torch_gradops as tg
-
-    torch.set_num_threads(args.threads)
-    device, dtype = args.device, getattr(torch, args.dtype)
+def random_inputs(n, e, h, c, k, device="cpu", dtype=torch.float32):
+    """The benchmarks' GATv2 op inputs (seed 0): ``edge_index [2, e]`` (uniform, ``n`` nodes), the
+    leaves ``x_src, x_dst [n, h, c]``, ``att [h, c]``, ``edge_attr [e, k]`` and ``edge_weight
+    [k, h, c]`` (the last two None when ``k`` is 0; scaled so that scores are O(1)), and an output
+    gradient ``[n, h, c]``."""
     gen = torch.Generator().manual_seed(0)
-    n, e, h, c, k = args.nodes, args.edges, args.heads, args.channels, args.edge_dim
     edge_index = torch.randint(0, n, (2, e), generator=gen).to(device)
     leaf = lambda t: t.to(device, dtype).requires_grad_()
     x_src = leaf(torch.randn(n, h, c, generator=gen))
@@ -75,8 +74,18 @@ def worker(args) -> dict:
     att = leaf(torch.randn(h, c, generator=gen) / c ** 0.5)
     edge_attr = leaf(torch.randn(e, k, generator=gen)) if k else None
     edge_weight = leaf(torch.randn(k, h, c, generator=gen) / k ** 0.5) if k else None
-    inputs = [t for t in (x_src, x_dst, att, edge_attr, edge_weight) if t is not None]
     grad = torch.randn(n, h, c, generator=gen).to(device, dtype)
+    return edge_index, x_src, x_dst, att, edge_attr, edge_weight, grad
+
+
+def worker(args) -> dict:
+    import torch_gradops as tg
+
+    torch.set_num_threads(args.threads)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    n, e, h, c, k = args.nodes, args.edges, args.heads, args.channels, args.edge_dim
+    edge_index, x_src, x_dst, att, edge_attr, edge_weight, grad = random_inputs(n, e, h, c, k, device, dtype)
+    inputs = [t for t in (x_src, x_dst, att, edge_attr, edge_weight) if t is not None]
     src, dst = edge_index[0], edge_index[1]
     if args.impl == "op":
         graph = tg.BipartiteCSC.from_edge_index(edge_index, n, n)

@@ -18,7 +18,8 @@ that ask for it run both ways, forced with ``TORCH_GRADOPS_GATV2_SOURCE_PASS``.
 
 Every configuration runs in one process, the forward and the backward variants alternating,
 ``--repeats`` rounds; medians in ms. On a shared VM one process's rounds are steadier than
-separate processes. Uniform random graph (seed 0), ``H=8``, ``C=32``, fp32.
+separate processes. The inputs of ``gatv2_attention.py`` (uniform random graph, seed 0), ``H=8``,
+``C=32``, fp32.
 
     python benchmarks/gatv2_passes.py                       # N=100k/E=2M, edge_dim 0 and 16
     python benchmarks/gatv2_passes.py --sizes 50000:1000000 --edge-dims 16
@@ -57,23 +58,18 @@ def worker(a) -> dict:
     torch.set_num_threads(a.threads)
     sys.path.insert(0, os.path.dirname(HERE))
     from torch_gradops import BipartiteCSC
+    from gatv2_attention import random_inputs  # the op benchmark's inputs
     ops = torch.ops.torch_gradops
-    H, C, K = a.heads, a.channels, a.edge_dim
-    g = torch.Generator().manual_seed(0)
-    edge_index = torch.randint(0, a.nodes, (2, a.edges), generator=g)
+    K = a.edge_dim
+    edge_index, *leaves, grad_out = random_inputs(a.nodes, a.edges, a.heads, a.channels, K)
+    xs, xd, att, ea, w = (None if t is None else t.detach() for t in leaves)  # the raw ops take plain tensors
     graph = BipartiteCSC.from_edge_index(edge_index, num_src=a.nodes, num_dst=a.nodes)
     rev = graph.reverse_index()
-    xs = torch.randn(a.nodes, H, C, generator=g)
-    xd = torch.randn(a.nodes, H, C, generator=g)
-    att = torch.randn(H, C, generator=g) * 0.1
-    ea = torch.randn(a.edges, K, generator=g) if K else None
-    w = torch.randn(K, H, C, generator=g) * 0.1 if K else None
 
     def forward():
         return ops.gatv2_forward(xs, xd, att, ea, w, graph.indptr, graph.indices, None, 0.2, 1.0, False)
 
     out, lse, _ = forward()
-    grad_out = torch.randn_like(out)
 
     def backward(mask, how):
         mask = list(mask)
