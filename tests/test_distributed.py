@@ -205,18 +205,37 @@ def test_distributed_contract_without_process_group_is_local():
     torch.testing.assert_close(contract(expr, *ops, **options), torch.einsum(expr, *ops))
 
 
-def _tn_mismatched_plans(rank, world_size):
+def _tn_mismatched_plans(rank, world_size, how):
     import torch.distributed as dist
 
     import torch_gradops as tg
 
-    expr, ops, _ = _tn_inputs(0)
-    tg.tensornet.contract(expr, *ops, slicing=["b"] if rank == 0 else ["c"], process_group=dist.group.WORLD)
+    if how == "slicing":
+        expr, ops, _ = _tn_inputs(0)
+        tg.tensornet.contract(expr, *ops, slicing=["b"] if rank == 0 else ["c"], process_group=dist.group.WORLD)
+    else:  # the same call but for the memory limit: at 8 KiB rank 1's plan is sliced, at 16 KiB not
+        gen = torch.Generator().manual_seed(0)
+        ops = [torch.randn(s, generator=gen, dtype=torch.float64) for s in ((40, 50), (50, 60), (60, 30))]
+        limit = {"memory_limit": "8KiB", "equal_plans": "16KiB"}[how]
+        out = tg.tensornet.contract("ab,bc,cd->ad", *ops, memory_limit=None if rank == 0 else limit,
+                                    process_group=dist.group.WORLD)
+        return out, torch.einsum("ab,bc,cd->ad", *ops)
 
 
-def test_ranks_with_different_plans_get_a_clear_error():
-    with pytest.raises(RuntimeError, match="path or sliced modes of rank"):
-        launch(_tn_mismatched_plans, 2, timeout=TIMEOUT)
+@pytest.mark.parametrize("how, match", [
+    ("slicing", r"path or sliced modes of rank\(s\) \[1\] differ from rank 0's;"),
+    # (the sliced operand shapes differ too: the message said only that the network did)
+    ("memory_limit", r"of rank\(s\) \[1\] differ from rank 0's \(the plans were made under different memory "
+                     r"limits: rank\(s\) \[1\] passed \['memory_limit=8.0 KiB'\], rank 0 no memory_limit\)")])
+def test_ranks_with_different_plans_get_a_clear_error(how, match):
+    with pytest.raises(RuntimeError, match=match):
+        launch(_tn_mismatched_plans, 2, how, timeout=TIMEOUT)
+
+
+def test_ranks_with_different_memory_limits_but_equal_plans_agree():
+    """Plans are compared, not the arguments that made them: equal plans add up."""
+    for out, expected in launch(_tn_mismatched_plans, 2, "equal_plans", timeout=TIMEOUT):
+        torch.testing.assert_close(out, expected)
 
 
 def _tn_mismatched_inputs(rank, world_size, what):

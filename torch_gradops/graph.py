@@ -396,7 +396,8 @@ def csc_from_edges(src: torch.Tensor, dst: torch.Tensor, num_src: int, num_dst: 
             (``graph.num_dst == num_dst + 1``), that the caller drops after aggregation: they
             take no part in any real destination's softmax and, since the trash row's gradient
             is zero, contribute exactly zero to every gradient, and every shape stays
-            independent of the data.
+            independent of the data. Their attention weights (``return_attention``) are a
+            softmax over the trash row, not zero: drop them with it, as the layers do.
         dst_sorted: ``True`` if ``dst`` is known to be non-decreasing (no sort), ``None`` to check
             (except with ``static_shapes``, which sorts).
         static_shapes: only ops whose output shapes depend on input shapes, never on values

@@ -627,9 +627,8 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   const bool pass2 = want_xs && n_groups == 0;
   at::Tensor sx_t;
   std::vector<acc_t*> sx_parts(n_groups, nullptr);
-  if (n_groups) {
-    if (kOwnFirst) gxs_t.zero_();
-    sx_t = at::zeros({kOwnFirst ? n_groups - 1 : n_groups, num_src, HC}, acc_opts);
+  if (n_groups) {  // (each group's task zeroes its partial: in parallel, and first touched by its thread)
+    sx_t = at::empty({kOwnFirst ? n_groups - 1 : n_groups, num_src, HC}, acc_opts);
     for (int64_t grp = 0; grp < n_groups; ++grp) {
       sx_parts[grp] = kOwnFirst && grp == 0 ? reinterpret_cast<acc_t*>(gxs_t.data_ptr())
                                             : sx_t.data_ptr<acc_t>() + (grp - (kOwnFirst ? 1 : 0)) * num_src * HC;
@@ -694,6 +693,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H), aw(H);
     for (int64_t task = tbegin; task < tend; ++task) {
     acc_t* sx = n_groups ? sx_parts[task] : nullptr;
+    if (sx) std::fill(sx, sx + num_src * HC, acc_t(0));
     for (int64_t chunk = task_bounds[task]; chunk < task_bounds[task + 1]; ++chunk) {
       acc_t* patt = want_att ? partial + chunk * partial_size : nullptr;
       acc_t* pw = want_w ? partial + chunk * partial_size + att_part : nullptr;

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from .._transforms import is_legacy_batched, not_compiled
+from .._units import format_bytes
 from ..tensornet import parser, resolve
 from ..tensornet.program import accumulate_dtype
 
@@ -254,17 +255,23 @@ def _check_same_plan(plan, operands, group) -> None:
     }
     values = fingerprints(operands)
     every = [None] * dist.get_world_size(group)
-    dist.all_gather_object(every, ("forward", (mine, values)), group=group)  # all ranks see all: all raise together
+    # (the memory limits travel along only to explain a difference: equal plans under
+    # different limits add up)
+    payload = (mine, values, plan.memory_limit)
+    dist.all_gather_object(every, ("forward", payload), group=group)  # all ranks see all: all raise together
     every = _in_step(every, "forward")
-    every, every_values = [e[0] for e in every], [e[1] for e in every]
+    every, every_values, limits = [e[0] for e in every], [e[1] for e in every], [e[2] for e in every]
     for what in mine:
         if any(other[what] != every[0][what] for other in every):
             ranks = [r for r, other in enumerate(every) if other[what] != every[0][what]]
+            unequal = [r for r, limit in enumerate(limits) if limit != limits[0]]
+            cause = (f" (the plans were made under different memory limits: rank(s) {unequal} passed "
+                     f"{[_limit_text(limits[r]) for r in unequal]}, rank 0 {_limit_text(limits[0])})" if unequal else "")
             raise RuntimeError(
-                f"ranks contract different things: the {what} of rank(s) {ranks} differ from rank 0's; every "
-                "rank must pass the same expression, operand shapes and dtype, and the same requires_grad "
-                "flags, and plan with the same arguments (the default search is seeded and deterministic), "
-                "or pass an explicit path and slicing=[modes], or the same plan=")
+                f"ranks contract different things: the {what} of rank(s) {ranks} differ from rank 0's{cause}; "
+                "every rank must pass the same expression, operand shapes and dtype, and the same requires_grad "
+                "flags, and plan with the same arguments (memory_limit too; the default search is seeded and "
+                "deterministic), or pass an explicit path and slicing=[modes], or the same plan=")
     ranks = _differing_ranks(every_values)
     if ranks:
         which = sorted({k for r in ranks for k, (u, v) in enumerate(zip(every_values[r], every_values[0]))
@@ -273,6 +280,10 @@ def _check_same_plan(plan, operands, group) -> None:
             f"ranks contract different things: the operand values of rank(s) {ranks} differ from rank 0's "
             f"(operand(s) {which}); every rank must pass the same operands: seed random operands the same on "
             "every rank, or broadcast them from rank 0 (torch.distributed.broadcast)")
+
+
+def _limit_text(limit: Optional[int]) -> str:
+    return "no memory_limit" if limit is None else f"memory_limit={format_bytes(limit)}"
 
 
 def _sync(t: torch.Tensor) -> None:
