@@ -791,8 +791,8 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     }
   });
 
-  // The x_src partials, summed in group order.
-  if (n_groups) {
+  // The x_src partials, summed in group order (nothing to do when the gradient is the only one).
+  if (n_groups && !(kOwnFirst && n_groups == 1)) {
     scalar_t* gxs = gxs_t.data_ptr<scalar_t>();
     at::parallel_for(0, num_src * HC, 4096, [&](int64_t begin, int64_t end) {
       for (int64_t f = begin; f < end; ++f) {
