@@ -264,59 +264,6 @@ inline void head_scores_rows(const acc_t* __restrict__ xs, const acc_t* __restri
   }
 }
 
-// dz[h,c] = ds[h] * att[h,c] * leaky_relu'(z[h,c]). The per-element loops live in functions
-// with restrict pointers and the slope as a value: inside the kernels' lambdas GCC reloaded the
-// slope through the closure on every element (a store might alias it) and left them scalar.
-template <typename acc_t>
-inline void preact_grad(const acc_t* __restrict__ z, const acc_t* __restrict__ att, const acc_t* __restrict__ ds,
-                        acc_t slope, acc_t* __restrict__ dz, int64_t H, int64_t C) {
-  for (int64_t h = 0; h < H; ++h) {
-    const acc_t d = ds[h];
-    for (int64_t c = 0; c < C; ++c) {
-      const int64_t f = h * C + c;
-      dz[f] = d * att[f] * (z[f] > acc_t(0) ? acc_t(1) : slope);
-    }
-  }
-}
-
-// p[h,c] += ds[h] * leaky_relu(z[h,c]): an edge's share of grad att.
-template <typename acc_t>
-inline void add_att_grad(acc_t* __restrict__ p, const acc_t* __restrict__ ds, const acc_t* __restrict__ z,
-                         acc_t slope, int64_t H, int64_t C) {
-  for (int64_t h = 0; h < H; ++h) {
-    const acc_t d = ds[h];
-    for (int64_t c = 0; c < C; ++c) {
-      const acc_t v = z[h * C + c];
-      p[h * C + c] += d * (v > acc_t(0) ? v : v * slope);
-    }
-  }
-}
-
-// An edge's shares of grad att and grad x_dst in one sweep over z: p[f] += ds[h] *
-// leaky_relu(z[f]) as add_att_grad() and gx[f] += ds[h] * att[f] * leaky_relu'(z[f]) as
-// preact_grad() + add_to(). With kWriteDz (edge_attr / edge_weight gradients wanted) that dz
-// value is also written to the dz row, and gx gets the stored value.
-template <typename acc_t, bool kWriteDz>
-inline void add_att_dst_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, acc_t* __restrict__ dz,
-                              const acc_t* __restrict__ z, const acc_t* __restrict__ att,
-                              const acc_t* __restrict__ ds, acc_t slope, int64_t H, int64_t C) {
-  for (int64_t h = 0; h < H; ++h) {
-    const acc_t d = ds[h];
-    for (int64_t f = h * C; f < (h + 1) * C; ++f) {
-      const acc_t v = z[f];
-      const bool pos = v > acc_t(0);
-      p[f] += d * (pos ? v : v * slope);
-      if constexpr (kWriteDz) {
-        const acc_t dzf = d * att[f] * (pos ? acc_t(1) : slope);
-        dz[f] = dzf;
-        gx[f] += dzf;
-      } else {
-        gx[f] += d * att[f] * (pos ? acc_t(1) : slope);
-      }
-    }
-  }
-}
-
 // add_src_grad() with z = (xs_row + xd_row) [+ ep] formed in registers (rows already in the
 // accumulation type; the same operations as edge_preact()): pass 2's path for float and double.
 template <typename acc_t, bool kWithEdge>
@@ -333,12 +280,6 @@ inline void add_src_grad_rows(acc_t* __restrict__ accx, const acc_t* __restrict_
       accx[f] += a * g[f] + d * att[f] * (zf > acc_t(0) ? acc_t(1) : slope);
     }
   }
-}
-
-// acc[f] += v[f]
-template <typename acc_t>
-inline void add_to(acc_t* __restrict__ acc, const acc_t* __restrict__ v, int64_t n) {
-  for (int64_t f = 0; f < n; ++f) acc[f] += v[f];
 }
 
 // p[k, f] += sum_b eab[b, k] * dzb[b, f] over a batch of kTile edges (rows past the
@@ -382,17 +323,19 @@ inline void add_src_grad(acc_t* __restrict__ accx, const acc_t* __restrict__ z, 
   }
 }
 
-// An edge's shares of every gradient in one sweep over z, for pass 1 when it also scatters the
-// x_src gradient: p[f] += ds[h] * leaky_relu(z[f]) (kAtt), dz = ds[h] * att[f] * leaky_relu'(z[f])
-// added to gx (kDst) and written to dzr (kDz), and sx[f] += aw[h] * g[f] + dz, the same terms, in
-// the same order, as add_src_grad().
-template <typename acc_t, typename T, bool kAtt, bool kDst, bool kDz>
+// An edge's shares of the gradients pass 1 forms, in one sweep over z: p[f] += ds[h] *
+// leaky_relu(z[f]) (kAtt), dz = ds[h] * att[f] * leaky_relu'(z[f]) added to gx (kDst) and written
+// to dzr (kDz), and sx[f] += aw[h] * g[f] + dz (kSrc: x_src's gradient scattered, the same terms,
+// in the same order, as add_src_grad()). The per-element loops live in functions with restrict
+// pointers and the slope as a value: inside the kernels' lambdas GCC reloaded the slope through
+// the closure on every element (a store might alias it) and left them scalar.
+template <typename acc_t, typename T, bool kAtt, bool kDst, bool kDz, bool kSrc>
 inline void add_edge_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, acc_t* __restrict__ dzr,
                            acc_t* __restrict__ sx, const acc_t* __restrict__ z, const acc_t* __restrict__ att,
                            const acc_t* __restrict__ ds, const acc_t* __restrict__ aw, const T* __restrict__ g,
                            acc_t slope, int64_t H, int64_t C) {
   for (int64_t h = 0; h < H; ++h) {
-    const acc_t d = ds[h], a = aw[h];
+    const acc_t d = ds[h];
     for (int64_t f = h * C; f < (h + 1) * C; ++f) {
       const acc_t v = z[f];
       const bool pos = v > acc_t(0);
@@ -400,22 +343,24 @@ inline void add_edge_grads(acc_t* __restrict__ p, acc_t* __restrict__ gx, acc_t*
       const acc_t dzf = d * att[f] * (pos ? acc_t(1) : slope);
       if constexpr (kDz) dzr[f] = dzf;
       if constexpr (kDst) gx[f] += dzf;
-      sx[f] += a * static_cast<acc_t>(g[f]) + dzf;
+      if constexpr (kSrc) sx[f] += aw[h] * static_cast<acc_t>(g[f]) + dzf;
     }
   }
 }
 
-// add_edge_grads() with the flags chosen at run time (null pointers: not wanted).
+// add_edge_grads() with the flags chosen at run time (null pointers: not wanted; aw and g are
+// read only with sx).
 template <typename acc_t, typename T>
 inline void add_edge_grads_any(acc_t* p, acc_t* gx, acc_t* dzr, acc_t* sx, const acc_t* z, const acc_t* att,
                                const acc_t* ds, const acc_t* aw, const T* g, acc_t slope, int64_t H, int64_t C) {
-  auto run = [&](auto att_c, auto dst_c, auto dz_c) {
-    add_edge_grads<acc_t, T, decltype(att_c)::value, decltype(dst_c)::value, decltype(dz_c)::value>(
-        p, gx, dzr, sx, z, att, ds, aw, g, slope, H, C);
+  auto run = [&](auto att_c, auto dst_c, auto dz_c, auto src_c) {
+    add_edge_grads<acc_t, T, decltype(att_c)::value, decltype(dst_c)::value, decltype(dz_c)::value,
+                   decltype(src_c)::value>(p, gx, dzr, sx, z, att, ds, aw, g, slope, H, C);
   };
   using T1 = std::true_type;
   using F0 = std::false_type;
-  auto with_dz = [&](auto a, auto d) { dzr ? run(a, d, T1{}) : run(a, d, F0{}); };
+  auto with_src = [&](auto a, auto d, auto w) { sx ? run(a, d, w, T1{}) : run(a, d, w, F0{}); };
+  auto with_dz = [&](auto a, auto d) { dzr ? with_src(a, d, T1{}) : with_src(a, d, F0{}); };
   auto with_dst = [&](auto a) { gx ? with_dz(a, T1{}) : with_dz(a, F0{}); };
   p ? with_dst(T1{}) : with_dst(F0{});
 }
@@ -594,7 +539,6 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   const Gatv2EdgeMode mode = a.edge_mode;
   const bool want_xs = b.want_x_src, want_xd = b.want_x_dst, want_att = b.want_att;
   const bool want_ea = b.want_edge_attr, want_w = b.want_edge_weight;
-  const bool need_dz = want_xd || want_ea || want_w;
   const scalar_t* g = b.grad_out.data_ptr<scalar_t>();
   const scalar_t* ga = b.grad_alpha.defined() ? b.grad_alpha.data_ptr<scalar_t>() : nullptr;
   const scalar_t* o = b.out.data_ptr<scalar_t>();
@@ -755,22 +699,14 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
               aw_ws[e * H + h] = alphas[h] * keeps[h];
             }
           }
+          // One sweep for every gradient asked for; a dz row is kept for the edge features' products.
           acc_t* dzr = batch_edges ? dz_batch.data() + n_batch * HC : dz.data();
-          if (sx) {  // one sweep for every gradient, x_src's scattered to the group's partial
+          if (sx) {
             for (int64_t h = 0; h < H; ++h) aw[h] = alphas[h] * keeps[h];
-            add_edge_grads_any<acc_t, scalar_t>(patt, gxd ? gxd_acc.data() : nullptr, want_ea || want_w ? dzr : nullptr,
-                                                sx + j * HC, z.data(), att, ds.data(), aw.data(), gi, slope, H, C);
-          } else if (patt && gxd && !want_ea && !want_w) {  // one sweep for both; no dz row
-            add_att_dst_grads<acc_t, false>(patt, gxd_acc.data(), nullptr, z.data(), att, ds.data(), slope, H, C);
-            continue;
-          } else if (patt && gxd && need_dz) {  // one sweep for all three
-            add_att_dst_grads<acc_t, true>(patt, gxd_acc.data(), dzr, z.data(), att, ds.data(), slope, H, C);
-          } else {
-            if (patt) add_att_grad(patt, ds.data(), z.data(), slope, H, C);
-            if (!need_dz) continue;
-            preact_grad(z.data(), att, ds.data(), slope, dzr, H, C);
-            if (gxd) add_to(gxd_acc.data(), dzr, HC);
           }
+          add_edge_grads_any<acc_t, scalar_t>(patt, gxd ? gxd_acc.data() : nullptr, want_ea || want_w ? dzr : nullptr,
+                                              sx ? sx + j * HC : nullptr, z.data(), att, ds.data(), aw.data(), gi,
+                                              slope, H, C);
           if (gea && mode == Gatv2EdgeMode::kDirect) {
             for (int64_t f = 0; f < HC; ++f) gea[e * HC + f] = static_cast<scalar_t>(dzr[f]);
           }
