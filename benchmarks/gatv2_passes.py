@@ -47,10 +47,11 @@ VARIANTS = {
 SOURCE_PASSES = ("reverse", "scatter")
 
 
-def variant_names():
-    """Every timed call: the forward, then each variant (those with x_src's gradient once per source pass)."""
-    return ["forward"] + [f"{name} ({how})" if mask[0] else name for name, mask in VARIANTS.items()
-                          for how in (SOURCE_PASSES if mask[0] else (None,))]
+def backward_calls():
+    """``[(name, gradient mask, source pass or None)]``: each variant, those with x_src's gradient
+    once per source pass."""
+    return [(f"{name} ({how})" if how else name, mask, how) for name, mask in VARIANTS.items()
+            for how in (SOURCE_PASSES if mask[0] else (None,))]
 
 
 def worker(a) -> dict:
@@ -79,9 +80,8 @@ def worker(a) -> dict:
                            rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0, mask)
 
     calls = {"forward": forward}
-    for name in variant_names()[1:]:
-        base, _, how = name.partition(" (")
-        calls[name] = lambda m=VARIANTS[base], h=how.rstrip(")") or None: backward(m, h)
+    for name, mask, how in backward_calls():
+        calls[name] = lambda m=mask, h=how: backward(m, h)
     for fn in calls.values():  # warm-up
         fn()
     times = {name: [] for name in calls}
@@ -121,7 +121,7 @@ def main():
                               "--repeats", str(a.repeats), "--heads", str(a.heads), "--channels", str(a.channels)],
                              env={"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)})
             rows.append({"nodes": n, "edges": e, "edge_dim": k, **res})
-    names = variant_names()
+    names = ["forward"] + [name for name, _, _ in backward_calls()]
     print(f"{'N / E / edge_dim':<24}" + "".join(f"{n:>24}" for n in names))
     for r in rows:
         label = f"{r['nodes']} / {r['edges']} / {r['edge_dim']}"
