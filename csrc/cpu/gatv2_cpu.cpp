@@ -1,9 +1,9 @@
 // CPU kernels for the fused GATv2 ops (schemas and the math in ../gatv2.h, ../gatv2.cpp).
 //
 // Forward: one pass per destination over its incoming edges, all heads at once, with an online
-// softmax. Per edge: z = x_src[j] + x_dst[i] + ep, leaky_relu, per-head scores, exps of all
-// heads in one vectorised call, and the weighted row added to the accumulator. Saves only the
-// log-sum-exp. ep, the projected edge features edge_attr[e] @ W, is computed per tile of 8 edges
+// softmax stepped per tile of kTile edges. Per edge: z = x_src[j] + x_dst[i] + ep, leaky_relu
+// and per-head scores; per tile: the exps of all its scores and rescale factors in one
+// vectorised call, and its weighted rows added to the accumulator. Saves only the log-sum-exp. ep, the projected edge features edge_attr[e] @ W, is computed per tile of 8 edges
 // (a small GEMM in a per-thread buffer, EdgeProjector) and never stored beyond the tile; the
 // edge_attr and edge_weight gradients use the same tiles of dz rows.
 //
@@ -236,18 +236,25 @@ inline void head_scores(const acc_t* __restrict__ z, const acc_t* __restrict__ a
   }
 }
 
-// head_scores() on z = (x_src row + x_dst row) [+ projected edge row] formed in registers: the
-// forward's path when the rows are already in the accumulation type and there is no projection.
-// Same operations in the same order as edge_preact() then head_scores(), hence the same scores.
+// head_scores() on z = (x_src row + x_dst row) [+ edge row] formed in registers: the forward's
+// path when the rows are already in the accumulation type. Same operations in the same order as
+// edge_preact() then head_scores(), hence the same scores. When given, the row `ahead` is
+// prefetched a head's slice at a time: a whole row's prefetches at once took every L1 fill
+// buffer and stalled the arithmetic until they drained; spread out, they overlap with it.
 template <typename acc_t, bool kWithEdge>
 inline void head_scores_rows(const acc_t* __restrict__ xs, const acc_t* __restrict__ xd,
                              const acc_t* __restrict__ ea, const acc_t* __restrict__ att, acc_t slope,
-                             acc_t* __restrict__ s, int64_t H, int64_t C) {
+                             acc_t* __restrict__ s, int64_t H, int64_t C, const acc_t* ahead = nullptr) {
   using cpu::load8;
   using vec = typename cpu::Vec8<acc_t>::type;
   const int64_t C8 = C / 8 * 8;
+  const char* pf = reinterpret_cast<const char*>(ahead);
+  const int64_t head_bytes = C * static_cast<int64_t>(sizeof(acc_t));
   for (int64_t h = 0; h < H; ++h) {
     const int64_t f0 = h * C;
+    if (pf) {
+      for (int64_t off = h * head_bytes; off < (h + 1) * head_bytes; off += 64) __builtin_prefetch(pf + off);
+    }
     vec part = {};
     for (int64_t c = 0; c < C8; c += 8) {
       vec v = load8(xs + f0 + c) + load8(xd + f0 + c);
@@ -401,6 +408,37 @@ std::vector<int64_t> chunk_bounds(const index_t* ptr, int64_t num_dst, int64_t E
   return cpu::balanced_row_bounds(ptr, num_dst, n, 0);
 }
 
+// acc[h, c] += sum over the tile's edges t (in order) of w[t, h] * rows[t][h, c]: the forward's
+// weighted messages, a tile at a time so that each accumulator vector is loaded and stored once
+// per tile instead of once per edge. Each element gets the same operations in the same order
+// whichever branch runs.
+template <typename acc_t, typename T>
+inline void accumulate_tile(acc_t* __restrict__ acc, const T* const* rows, const acc_t* __restrict__ w, int nt,
+                            int64_t H, int64_t C) {
+  using vec = typename cpu::VecWide<acc_t>::type;
+  constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
+  if constexpr (std::is_same<acc_t, T>::value) {
+    if (C % kLanes == 0) {
+      for (int64_t h = 0; h < H; ++h) {
+        for (int64_t f = h * C; f < (h + 1) * C; f += kLanes) {
+          vec a = cpu::load_wide(acc + f);
+          for (int t = 0; t < nt; ++t) a += w[t * H + h] * cpu::load_wide(rows[t] + f);
+          cpu::store_wide(acc + f, a);
+        }
+      }
+      return;
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    acc_t* __restrict__ ah = acc + h * C;
+    for (int t = 0; t < nt; ++t) {
+      const acc_t wt = w[t * H + h];
+      const T* __restrict__ xh = rows[t] + h * C;
+      for (int64_t c = 0; c < C; ++c) ah[c] += wt * static_cast<acc_t>(xh[c]);
+    }
+  }
+}
+
 template <typename scalar_t, typename index_t>
 void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dropout_scale, at::Tensor& out,
                     at::Tensor& lse, at::Tensor* alpha) {
@@ -431,10 +469,12 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   parallel_over_rows(ptr, num_dst, HC * (2 + K),
                    [&, slope, keep_scale, neg_inf, H, C, HC, K, mode](int64_t begin, int64_t end) {
     EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode);
-    // ex holds, per edge, the H rescale factors then the H edge weights: one exp call for all.
-    std::vector<acc_t> acc(HC), xdi(HC), z(HC), run_max(H), run_sum(H), score(H), ex(2 * H);
+    // Per tile of up to kTile edges: score holds their [t, h] scores; ex holds the H rescale
+    // factors then the [t, h] edge weights, so that one exp call serves the whole tile.
+    std::vector<acc_t> acc(HC), xdi(HC), z(HC), run_max(H), run_sum(H), score(kTile * H), ex(H + kTile * H);
     acc_t* rescale = ex.data();
     acc_t* weight = ex.data() + H;
+    const scalar_t* rows[kTile];
     for (int64_t i = begin; i < end; ++i) {
       std::fill(acc.begin(), acc.end(), acc_t(0));
       std::fill(run_max.begin(), run_max.end(), neg_inf);
@@ -442,50 +482,71 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
       for (int64_t f = 0; f < HC; ++f) xdi[f] = static_cast<acc_t>(xd[i * HC + f]);
       const int64_t e0 = ptr[i], e1 = ptr[i + 1];
       TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
-      for (int64_t e = e0; e < e1; ++e) {
-        const int64_t j = idx[e];
-        TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
-        if (e + kPrefetchDistance < E) {
-          const int64_t jn = idx[e + kPrefetchDistance];
-          if (jn >= 0 && jn < num_src) prefetch_row(xs + jn * HC, HC);
-        }
-        const scalar_t* xj = xs + j * HC;
-        if constexpr (std::is_same<scalar_t, acc_t>::value) {
-          if (mode == Gatv2EdgeMode::kNone) {
-            head_scores_rows<acc_t, false>(xj, xdi.data(), nullptr, att, slope, score.data(), H, C);
-          } else {
-            const acc_t* ep = mode == Gatv2EdgeMode::kDirect ? ea + e * HC : proj.row(e);
-            head_scores_rows<acc_t, true>(xj, xdi.data(), ep, att, slope, score.data(), H, C);
+      for (int64_t t0 = e0; t0 < e1; t0 += kTile) {
+        const int nt = static_cast<int>(std::min<int64_t>(kTile, e1 - t0));
+        // The tile's scores, edge after edge: independent of each other, so their row loads
+        // overlap (with the prefetches of the rows kPrefetchDistance edges ahead).
+        for (int t = 0; t < nt; ++t) {
+          const int64_t e = t0 + t;
+          const int64_t j = idx[e];
+          TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
+          const scalar_t* ahead = nullptr;  // the row kPrefetchDistance edges on, to prefetch
+          if (e + kPrefetchDistance < E) {
+            const int64_t jn = idx[e + kPrefetchDistance];
+            if (jn >= 0 && jn < num_src) ahead = xs + jn * HC;
           }
-        } else {
-          proj.preact(z.data(), xj, xdi.data(), e);
-          head_scores(z.data(), att, slope, score.data(), H, C);
+          const scalar_t* xj = xs + j * HC;
+          rows[t] = xj;
+          acc_t* st = score.data() + t * H;
+          if constexpr (std::is_same<scalar_t, acc_t>::value) {
+            if (mode == Gatv2EdgeMode::kNone) {
+              head_scores_rows<acc_t, false>(xj, xdi.data(), nullptr, att, slope, st, H, C, ahead);
+            } else {
+              const acc_t* ep = mode == Gatv2EdgeMode::kDirect ? ea + e * HC : proj.row(e);
+              head_scores_rows<acc_t, true>(xj, xdi.data(), ep, att, slope, st, H, C, ahead);
+            }
+          } else {
+            if (ahead) prefetch_row(ahead, HC);
+            proj.preact(z.data(), xj, xdi.data(), e);
+            head_scores(z.data(), att, slope, st, H, C);
+          }
         }
-        // Online softmax for all heads at once (as in the GAT kernel): new maximum, the old
-        // sums' rescale factor exp(old_max - new_max) and the edge's weight exp(s - new_max).
+        // Online softmax, one step per tile for all heads: the new maximum over the tile, the
+        // old sums' rescale factor exp(old_max - new_max) and the weights exp(s - new_max).
         for (int64_t h = 0; h < H; ++h) {
-          const acc_t s = score[h], old = run_max[h];
-          const acc_t m = s > old ? s : old;  // a NaN score is no maximum; exp spreads it
+          const acc_t old = run_max[h];
+          acc_t m = old;
+          for (int t = 0; t < nt; ++t) {
+            const acc_t s = score[t * H + h];
+            m = s > m ? s : m;  // a NaN score is no maximum; exp spreads it
+          }
           rescale[h] = m == old ? acc_t(0) : old - m;  // also -inf - -inf: no NaN
-          weight[h] = s == neg_inf ? acc_t(-1000) : s - m;  // a -inf score weighs 0
+          for (int t = 0; t < nt; ++t) {
+            const acc_t s = score[t * H + h];
+            weight[t * H + h] = s == neg_inf ? acc_t(-1000) : s - m;  // a -inf score weighs 0
+          }
           run_max[h] = m;
         }
-        exp_inplace(ex.data(), 2 * H);
-        for (int64_t h = 0; h < H; ++h) {  // rare after the first edges: the maximum settles
+        exp_inplace(ex.data(), H + nt * H);
+        for (int64_t h = 0; h < H; ++h) {
           const acc_t r = rescale[h];
-          if (r != acc_t(1)) {
+          acc_t sum = run_sum[h] * r;
+          for (int t = 0; t < nt; ++t) sum += weight[t * H + h];
+          run_sum[h] = sum;
+          if (r != acc_t(1)) {  // rare after the first tile: the maximum settles
             acc_t* ah = acc.data() + h * C;
             for (int64_t c = 0; c < C; ++c) ah[c] *= r;
           }
         }
-        for (int64_t h = 0; h < H; ++h) {
-          const acc_t p = weight[h];
-          run_sum[h] = run_sum[h] * rescale[h] + p;
-          const acc_t wgt = mk ? (mk[e * H + h] ? p * keep_scale : acc_t(0)) : p;
-          const scalar_t* xjh = xj + h * C;
-          acc_t* ah = acc.data() + h * C;
-          for (int64_t c = 0; c < C; ++c) ah[c] += wgt * static_cast<acc_t>(xjh[c]);
+        if (mk) {
+          for (int t = 0; t < nt; ++t) {
+            for (int64_t h = 0; h < H; ++h) {
+              acc_t& p = weight[t * H + h];
+              p = mk[(t0 + t) * H + h] ? p * keep_scale : acc_t(0);
+            }
+          }
         }
+        accumulate_tile(acc.data(), rows, weight, nt, H, C);
       }
       const bool empty = e0 == e1;
       for (int64_t h = 0; h < H; ++h) {
