@@ -122,6 +122,23 @@ def test_matches_reference_float64(kind, index_dtype, edge_mode, device):
     assert_grads_close(grads_of(out, inputs, go), grads_of(ref, inputs, go), atol=1e-11, rtol=1e-9)
 
 
+@pytest.mark.parametrize("edge_mode", EDGE_MODES)
+@pytest.mark.parametrize("channels", [16, 32, 64, 12])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_head_widths_and_tiles(channels, dtype, edge_mode):
+    """The CPU forward's unrolled head widths (16, 32, 64) and its generic loop (12), on a graph
+    whose destinations have 1 to 50 incoming edges (one or many softmax tiles of 8 edges)."""
+    ei, ns, nd = make_graph("skewed", torch.int64, "cpu")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 3, channels, dtype, "cpu", edge_mode=edge_mode)
+    out, alpha = call(inputs, graph, return_attention=True)
+    inputs64 = [None if t is None else t.detach().double() for t in inputs]
+    ref, ref_alpha = reference(inputs64, ei, nd)
+    tol = dict(atol=1e-12, rtol=1e-10) if dtype == torch.float64 else dict(atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    torch.testing.assert_close(alpha.double(), ref_alpha, **tol)
+
+
 @pytest.mark.parametrize("edge_dim", [1, 4, 16])
 @pytest.mark.parametrize("bipartite", [False, True])
 def test_matches_pyg_gatv2conv(edge_dim, bipartite):

@@ -241,10 +241,13 @@ inline void head_scores(const acc_t* __restrict__ z, const acc_t* __restrict__ a
 // edge_preact() then head_scores(), hence the same scores. When given, the row `ahead` is
 // prefetched a head's slice at a time: a whole row's prefetches at once took every L1 fill
 // buffer and stalled the arithmetic until they drained; spread out, they overlap with it.
-template <typename acc_t, bool kWithEdge>
-inline void head_scores_rows(const acc_t* __restrict__ xs, const acc_t* __restrict__ xd,
-                             const acc_t* __restrict__ ea, const acc_t* __restrict__ att, acc_t slope,
-                             acc_t* __restrict__ s, int64_t H, int64_t C, const acc_t* ahead = nullptr) {
+// kC, when not 0, is C as a constant (the common head widths: loops unrolled, the same
+// operations).
+template <typename acc_t, bool kWithEdge, int kC>
+inline void head_scores_rows_c(const acc_t* __restrict__ xs, const acc_t* __restrict__ xd,
+                               const acc_t* __restrict__ ea, const acc_t* __restrict__ att, acc_t slope,
+                               acc_t* __restrict__ s, int64_t H, int64_t C_, const acc_t* ahead) {
+  const int64_t C = kC ? kC : C_;
   using cpu::load8;
   using vec = typename cpu::Vec8<acc_t>::type;
   const int64_t C8 = C / 8 * 8;
@@ -268,6 +271,17 @@ inline void head_scores_rows(const acc_t* __restrict__ xs, const acc_t* __restri
       part[c - C8] += att[f0 + c] * (v > acc_t(0) ? v : v * slope);
     }
     s[h] = cpu::tree8<acc_t>(part);
+  }
+}
+
+template <typename acc_t, bool kWithEdge>
+inline void head_scores_rows(const acc_t* xs, const acc_t* xd, const acc_t* ea, const acc_t* att, acc_t slope,
+                             acc_t* s, int64_t H, int64_t C, const acc_t* ahead = nullptr) {
+  switch (C) {
+    case 16: return head_scores_rows_c<acc_t, kWithEdge, 16>(xs, xd, ea, att, slope, s, H, C, ahead);
+    case 32: return head_scores_rows_c<acc_t, kWithEdge, 32>(xs, xd, ea, att, slope, s, H, C, ahead);
+    case 64: return head_scores_rows_c<acc_t, kWithEdge, 64>(xs, xd, ea, att, slope, s, H, C, ahead);
+    default: return head_scores_rows_c<acc_t, kWithEdge, 0>(xs, xd, ea, att, slope, s, H, C, ahead);
   }
 }
 
@@ -412,9 +426,10 @@ std::vector<int64_t> chunk_bounds(const index_t* ptr, int64_t num_dst, int64_t E
 // weighted messages, a tile at a time so that each accumulator vector is loaded and stored once
 // per tile instead of once per edge. Each element gets the same operations in the same order
 // whichever branch runs.
-template <typename acc_t, typename T>
-inline void accumulate_tile(acc_t* __restrict__ acc, const T* const* rows, const acc_t* __restrict__ w, int nt,
-                            int64_t H, int64_t C) {
+template <typename acc_t, typename T, int kC>
+inline void accumulate_tile_c(acc_t* __restrict__ acc, const T* const* rows, const acc_t* __restrict__ w, int nt,
+                              int64_t H, int64_t C_) {
+  const int64_t C = kC ? kC : C_;
   using vec = typename cpu::VecWide<acc_t>::type;
   constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
   if constexpr (std::is_same<acc_t, T>::value) {
@@ -436,6 +451,16 @@ inline void accumulate_tile(acc_t* __restrict__ acc, const T* const* rows, const
       const T* __restrict__ xh = rows[t] + h * C;
       for (int64_t c = 0; c < C; ++c) ah[c] += wt * static_cast<acc_t>(xh[c]);
     }
+  }
+}
+
+template <typename acc_t, typename T>
+inline void accumulate_tile(acc_t* acc, const T* const* rows, const acc_t* w, int nt, int64_t H, int64_t C) {
+  switch (C) {
+    case 16: return accumulate_tile_c<acc_t, T, 16>(acc, rows, w, nt, H, C);
+    case 32: return accumulate_tile_c<acc_t, T, 32>(acc, rows, w, nt, H, C);
+    case 64: return accumulate_tile_c<acc_t, T, 64>(acc, rows, w, nt, H, C);
+    default: return accumulate_tile_c<acc_t, T, 0>(acc, rows, w, nt, H, C);
   }
 }
 
