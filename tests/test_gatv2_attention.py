@@ -139,6 +139,22 @@ def test_head_widths_and_tiles(channels, dtype, edge_mode):
     torch.testing.assert_close(alpha.double(), ref_alpha, **tol)
 
 
+@pytest.mark.parametrize("edge_mode", EDGE_MODES)
+@pytest.mark.parametrize("heads", [8, 11, 3])
+def test_forward_scores_bitwise_equal_to_the_recomputed_ones(heads, edge_mode):
+    """Every destination with one edge: alpha = exp(s - lse) = exp(s' - s) is exactly 1 only if the
+    forward's scores s (scored from the rows, eight heads' sums at once) and the ones recomputed
+    for the attention weights s' (scored one head at a time, as in the backward) agree bitwise."""
+    n = 64
+    ei = torch.stack([torch.randperm(n, generator=torch.Generator().manual_seed(3)), torch.arange(n)])
+    graph = tg.BipartiteCSC.from_edge_index(ei, n, n)
+    inputs = make_inputs(n, n, n, heads, 32, torch.float32, "cpu", edge_mode=edge_mode)
+    with torch.no_grad():
+        inputs[2].mul_(8.0)  # scores of a few units: a last-bit difference moves exp(s' - s) off 1
+    _, alpha = call(inputs, graph, return_attention=True)
+    assert torch.equal(alpha, torch.ones_like(alpha))
+
+
 @pytest.mark.parametrize("edge_dim", [1, 4, 16])
 @pytest.mark.parametrize("bipartite", [False, True])
 def test_matches_pyg_gatv2conv(edge_dim, bipartite):

@@ -253,7 +253,7 @@ inline void head_scores_rows_c(const acc_t* __restrict__ xs, const acc_t* __rest
   const int64_t C8 = C / 8 * 8;
   const char* pf = reinterpret_cast<const char*>(ahead);
   const int64_t head_bytes = C * static_cast<int64_t>(sizeof(acc_t));
-  for (int64_t h = 0; h < H; ++h) {
+  auto head_part = [&](int64_t h) {
     const int64_t f0 = h * C;
     if (pf) {
       for (int64_t off = h * head_bytes; off < (h + 1) * head_bytes; off += 64) __builtin_prefetch(pf + off);
@@ -270,8 +270,15 @@ inline void head_scores_rows_c(const acc_t* __restrict__ xs, const acc_t* __rest
       if (kWithEdge) v += ea[f0 + c];
       part[c - C8] += att[f0 + c] * (v > acc_t(0) ? v : v * slope);
     }
-    s[h] = cpu::tree8<acc_t>(part);
+    return part;
+  };
+  int64_t h = 0;
+  for (; h + 8 <= H; h += 8) {  // eight heads' trees at once: the same sums as tree8()
+    vec parts[8];
+    for (int k = 0; k < 8; ++k) parts[k] = head_part(h + k);
+    cpu::store8(s + h, cpu::tree8x8<acc_t>(parts));
   }
+  for (; h < H; ++h) s[h] = cpu::tree8<acc_t>(head_part(h));
 }
 
 template <typename acc_t, bool kWithEdge>

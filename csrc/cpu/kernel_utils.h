@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace torch_gradops {
@@ -112,6 +113,27 @@ inline void store_wide(T* p, const typename VecWide<T>::type& v) {
 template <typename T>
 inline T tree8(const typename Vec8<T>::type& p) {
   return ((p[0] + p[4]) + (p[1] + p[5])) + ((p[2] + p[6]) + (p[3] + p[7]));
+}
+
+// tree8() of eight vectors at once, lane k of the result being tree8(p[k]): the same additions of
+// the same pairs (x + y and y + x round alike), arranged as a transpose. 12 shuffles and 7 vector
+// adds instead of eight scalar trees.
+template <typename T>
+inline typename Vec8<T>::type tree8x8(const typename Vec8<T>::type* p) {
+  using vec = typename Vec8<T>::type;
+  using mask = typename Vec8<typename std::conditional<sizeof(T) == 8, int64_t, int32_t>::type>::type;
+  const mask lo = {0, 1, 2, 3, 8, 9, 10, 11}, hi = {4, 5, 6, 7, 12, 13, 14, 15};
+  const mask even = {0, 2, 4, 6, 8, 10, 12, 14}, odd = {1, 3, 5, 7, 9, 11, 13, 15};
+  vec u[4], v[2];
+  // u[i] = [p0+p4, p1+p5, p2+p6, p3+p7] of vectors 2i then 2i+1
+  for (int i = 0; i < 4; ++i) {
+    u[i] = __builtin_shuffle(p[2 * i], p[2 * i + 1], lo) + __builtin_shuffle(p[2 * i], p[2 * i + 1], hi);
+  }
+  // v[i] = [(p0+p4)+(p1+p5), (p2+p6)+(p3+p7)] of vectors 4i .. 4i+3
+  for (int i = 0; i < 2; ++i) {
+    v[i] = __builtin_shuffle(u[2 * i], u[2 * i + 1], even) + __builtin_shuffle(u[2 * i], u[2 * i + 1], odd);
+  }
+  return __builtin_shuffle(v[0], v[1], even) + __builtin_shuffle(v[0], v[1], odd);
 }
 
 // A CSC pointer array must start at 0 and end at E: per-node checks of non-decreasing ranges
