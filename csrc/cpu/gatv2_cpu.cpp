@@ -429,6 +429,45 @@ std::vector<int64_t> chunk_bounds(const index_t* ptr, int64_t num_dst, int64_t E
   return cpu::balanced_row_bounds(ptr, num_dst, n, 0);
 }
 
+// One online-softmax step over a tile's scores [nt, H], all heads at once (loops over h inside,
+// so that they vectorise; per head the same operations in the same order as one head at a time):
+// run_max becomes the maximum over the tile too, ex gets the H rescale exponents old - new max
+// then the [nt, H] weight exponents s - new max, for one exp call.
+template <typename acc_t>
+inline void softmax_tile_exponents(const acc_t* __restrict__ score, int nt, int64_t H, acc_t* __restrict__ run_max,
+                                   acc_t* __restrict__ ex) {
+  const acc_t neg_inf = -std::numeric_limits<acc_t>::infinity();
+  acc_t* __restrict__ m = ex;  // the new maxima, until they become the rescale exponents
+  for (int64_t h = 0; h < H; ++h) m[h] = run_max[h];
+  for (int t = 0; t < nt; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const acc_t s = score[t * H + h];
+      m[h] = s > m[h] ? s : m[h];  // a NaN score is no maximum; exp spreads it
+    }
+  }
+  for (int t = 0; t < nt; ++t) {
+    for (int64_t h = 0; h < H; ++h) {
+      const acc_t s = score[t * H + h];
+      ex[H + t * H + h] = s == neg_inf ? acc_t(-1000) : s - m[h];  // a -inf score weighs 0
+    }
+  }
+  for (int64_t h = 0; h < H; ++h) {
+    const acc_t old = run_max[h], mh = m[h];
+    run_max[h] = mh;
+    m[h] = mh == old ? acc_t(0) : old - mh;  // also -inf - -inf: no NaN
+  }
+}
+
+// run_sum[h] = run_sum[h] * rescale[h] + the tile's weights [nt, H] of head h, in edge order.
+template <typename acc_t>
+inline void softmax_tile_sums(const acc_t* __restrict__ weight, const acc_t* __restrict__ rescale, int nt, int64_t H,
+                              acc_t* __restrict__ run_sum) {
+  for (int64_t h = 0; h < H; ++h) run_sum[h] *= rescale[h];
+  for (int t = 0; t < nt; ++t) {
+    for (int64_t h = 0; h < H; ++h) run_sum[h] += weight[t * H + h];
+  }
+}
+
 // acc[h, c] += sum over the tile's edges t (in order) of w[t, h] * rows[t][h, c]: the forward's
 // weighted messages, a tile at a time so that each accumulator vector is loaded and stored once
 // per tile instead of once per edge. Each element gets the same operations in the same order
@@ -545,26 +584,11 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
         }
         // Online softmax, one step per tile for all heads: the new maximum over the tile, the
         // old sums' rescale factor exp(old_max - new_max) and the weights exp(s - new_max).
-        for (int64_t h = 0; h < H; ++h) {
-          const acc_t old = run_max[h];
-          acc_t m = old;
-          for (int t = 0; t < nt; ++t) {
-            const acc_t s = score[t * H + h];
-            m = s > m ? s : m;  // a NaN score is no maximum; exp spreads it
-          }
-          rescale[h] = m == old ? acc_t(0) : old - m;  // also -inf - -inf: no NaN
-          for (int t = 0; t < nt; ++t) {
-            const acc_t s = score[t * H + h];
-            weight[t * H + h] = s == neg_inf ? acc_t(-1000) : s - m;  // a -inf score weighs 0
-          }
-          run_max[h] = m;
-        }
+        softmax_tile_exponents(score.data(), nt, H, run_max.data(), ex.data());
         exp_inplace(ex.data(), H + nt * H);
+        softmax_tile_sums(weight, rescale, nt, H, run_sum.data());
         for (int64_t h = 0; h < H; ++h) {
           const acc_t r = rescale[h];
-          acc_t sum = run_sum[h] * r;
-          for (int t = 0; t < nt; ++t) sum += weight[t * H + h];
-          run_sum[h] = sum;
           if (r != acc_t(1)) {  // rare after the first tile: the maximum settles
             acc_t* ah = acc.data() + h * C;
             for (int64_t c = 0; c < C; ++c) ah[c] *= r;
