@@ -3,9 +3,10 @@
 // Forward: one pass per destination over its incoming edges, all heads at once, with an online
 // softmax stepped per tile of kTile edges. Per edge: z = x_src[j] + x_dst[i] + ep, leaky_relu
 // and per-head scores; per tile: the exps of all its scores and rescale factors in one
-// vectorised call, and its weighted rows added to the accumulator. Saves only the log-sum-exp. ep, the projected edge features edge_attr[e] @ W, is computed per tile of 8 edges
-// (a small GEMM in a per-thread buffer, EdgeProjector) and never stored beyond the tile; the
-// edge_attr and edge_weight gradients use the same tiles of dz rows.
+// vectorised call, and its weighted rows added to the accumulator. Saves only the log-sum-exp.
+// ep, the projected edge features edge_attr[e] @ W, is computed per tile of kTile edges (a small
+// GEMM in a per-thread buffer, EdgeProjector) and never stored beyond the tile; the edge_attr
+// and edge_weight gradients use the same tiles of dz rows.
 //
 // Backward, without atomics and in a fixed order (bitwise reproducible for any thread count),
 // recomputing z wherever it is needed:
@@ -73,8 +74,21 @@ inline void edge_preact(acc_t* __restrict__ z, const TS* __restrict__ src_row, c
   }
 }
 
-// Rows per tile of the edge-feature products (projection, grad edge_attr, grad edge_weight).
+// Rows per tile of the edge-feature products (projection, grad edge_attr, grad edge_weight), and
+// edges per step of the forward's online softmax.
 constexpr int kTile = 8;
+
+// f(std::integral_constant<int, C>) for the common head widths (loops unrolled, the same
+// operations), f(std::integral_constant<int, 0>) for any other: the kernels' kC parameters.
+template <typename F>
+inline void with_head_width(int64_t C, F&& f) {
+  switch (C) {
+    case 16: return f(std::integral_constant<int, 16>{});
+    case 32: return f(std::integral_constant<int, 32>{});
+    case 64: return f(std::integral_constant<int, 64>{});
+    default: return f(std::integral_constant<int, 0>{});
+  }
+}
 
 // P[b, f] = sum_k eab[b, k] * w[k, f] for the kTile rows of eab [kTile, K]: a small GEMM whose
 // two vectors of w per k serve all kTile rows (the per-edge form loaded a vector of w per
@@ -241,8 +255,7 @@ inline void head_scores(const acc_t* __restrict__ z, const acc_t* __restrict__ a
 // edge_preact() then head_scores(), hence the same scores. When given, the row `ahead` is
 // prefetched a head's slice at a time: a whole row's prefetches at once took every L1 fill
 // buffer and stalled the arithmetic until they drained; spread out, they overlap with it.
-// kC, when not 0, is C as a constant (the common head widths: loops unrolled, the same
-// operations).
+// kC, when not 0, is C as a constant (with_head_width).
 template <typename acc_t, bool kWithEdge, int kC>
 inline void head_scores_rows_c(const acc_t* __restrict__ xs, const acc_t* __restrict__ xd,
                                const acc_t* __restrict__ ea, const acc_t* __restrict__ att, acc_t slope,
@@ -284,12 +297,9 @@ inline void head_scores_rows_c(const acc_t* __restrict__ xs, const acc_t* __rest
 template <typename acc_t, bool kWithEdge>
 inline void head_scores_rows(const acc_t* xs, const acc_t* xd, const acc_t* ea, const acc_t* att, acc_t slope,
                              acc_t* s, int64_t H, int64_t C, const acc_t* ahead = nullptr) {
-  switch (C) {
-    case 16: return head_scores_rows_c<acc_t, kWithEdge, 16>(xs, xd, ea, att, slope, s, H, C, ahead);
-    case 32: return head_scores_rows_c<acc_t, kWithEdge, 32>(xs, xd, ea, att, slope, s, H, C, ahead);
-    case 64: return head_scores_rows_c<acc_t, kWithEdge, 64>(xs, xd, ea, att, slope, s, H, C, ahead);
-    default: return head_scores_rows_c<acc_t, kWithEdge, 0>(xs, xd, ea, att, slope, s, H, C, ahead);
-  }
+  with_head_width(C, [&](auto kC) {
+    head_scores_rows_c<acc_t, kWithEdge, decltype(kC)::value>(xs, xd, ea, att, slope, s, H, C, ahead);
+  });
 }
 
 // add_src_grad() with z = (xs_row + xd_row) [+ ep] formed in registers (rows already in the
@@ -471,7 +481,7 @@ inline void softmax_tile_sums(const acc_t* __restrict__ weight, const acc_t* __r
 // acc[h, c] += sum over the tile's edges t (in order) of w[t, h] * rows[t][h, c]: the forward's
 // weighted messages, a tile at a time so that each accumulator vector is loaded and stored once
 // per tile instead of once per edge. Each element gets the same operations in the same order
-// whichever branch runs.
+// whichever branch runs (kC: with_head_width).
 template <typename acc_t, typename T, int kC>
 inline void accumulate_tile_c(acc_t* __restrict__ acc, const T* const* rows, const acc_t* __restrict__ w, int nt,
                               int64_t H, int64_t C_) {
@@ -502,12 +512,7 @@ inline void accumulate_tile_c(acc_t* __restrict__ acc, const T* const* rows, con
 
 template <typename acc_t, typename T>
 inline void accumulate_tile(acc_t* acc, const T* const* rows, const acc_t* w, int nt, int64_t H, int64_t C) {
-  switch (C) {
-    case 16: return accumulate_tile_c<acc_t, T, 16>(acc, rows, w, nt, H, C);
-    case 32: return accumulate_tile_c<acc_t, T, 32>(acc, rows, w, nt, H, C);
-    case 64: return accumulate_tile_c<acc_t, T, 64>(acc, rows, w, nt, H, C);
-    default: return accumulate_tile_c<acc_t, T, 0>(acc, rows, w, nt, H, C);
-  }
+  with_head_width(C, [&](auto kC) { accumulate_tile_c<acc_t, T, decltype(kC)::value>(acc, rows, w, nt, H, C); });
 }
 
 template <typename scalar_t, typename index_t>
