@@ -12,7 +12,7 @@ void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, 
                               const c10::optional<at::Tensor>& edge_attr,
                               const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr,
                               const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
-                              double dropout_scale) {
+                              double dropout_scale, const c10::optional<at::Tensor>& edge_attr_rows) {
   check_floating(x_src, "x_src");
   check_dim(x_src, 3, "x_src");
   const int64_t heads = x_src.size(1), channels = x_src.size(2);
@@ -45,16 +45,28 @@ void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, 
     TORCH_CHECK(ea.scalar_type() == x_src.scalar_type(), "edge_attr must have the dtype of x_src (",
                 x_src.scalar_type(), "), got ", ea.scalar_type());
     check_same_device(x_src, "x_src", ea, "edge_attr");
+    // Its rows: one per CSC position, or any number read through edge_attr_rows.
+    const int64_t rows = edge_attr_rows.has_value() ? ea.size(0) : E;
     if (edge_weight.has_value()) {
       check_dim(ea, 2, "edge_attr (with edge_weight)");
-      TORCH_CHECK(ea.size(0) == E, "edge_attr must have one row per edge (", E, "), got ", ea.size(0));
+      TORCH_CHECK(edge_attr_rows.has_value() || ea.size(0) == E, "edge_attr must have one row per edge (", E,
+                  "), got ", ea.size(0));
       check_shape(*edge_weight, {ea.size(1), heads, channels}, "edge_weight");
       TORCH_CHECK(edge_weight->scalar_type() == x_src.scalar_type(), "edge_weight must have the dtype of x_src (",
                   x_src.scalar_type(), "), got ", edge_weight->scalar_type());
       check_same_device(x_src, "x_src", *edge_weight, "edge_weight");
     } else {
-      check_shape(ea, {E, heads, channels}, "edge_attr (already projected, no edge_weight)");
+      check_shape(ea, {rows, heads, channels}, "edge_attr (already projected, no edge_weight)");
     }
+    TORCH_CHECK(rows > 0 || E == 0, "edge_attr has no rows for the ", E, " edges to read");
+  }
+  if (edge_attr_rows.has_value()) {
+    const at::Tensor& r = *edge_attr_rows;
+    TORCH_CHECK(edge_attr.has_value(), "edge_attr_rows was given without edge_attr");
+    check_index(r, "edge_attr_rows");
+    TORCH_CHECK(r.scalar_type() == indices.scalar_type(), "edge_attr_rows and indices must share one dtype");
+    TORCH_CHECK(r.numel() == E, "edge_attr_rows must have one entry per edge (", E, "), got ", r.numel());
+    check_same_device(x_src, "x_src", r, "edge_attr_rows");
   }
   if (dropout_mask.has_value()) {
     check_shape(*dropout_mask, {E, heads}, "dropout_mask");
@@ -75,9 +87,9 @@ Gatv2ForwardArgs prepare_gatv2_forward(const at::Tensor& x_src, const at::Tensor
                                        const c10::optional<at::Tensor>& edge_attr,
                                        const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr,
                                        const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
-                                       double dropout_scale) {
+                                       double dropout_scale, const c10::optional<at::Tensor>& edge_attr_rows) {
   check_gatv2_forward_args(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
-                           dropout_scale);
+                           dropout_scale, edge_attr_rows);
   Gatv2ForwardArgs a{x_src.contiguous(),
                      x_dst.contiguous(),
                      att.contiguous(),
@@ -85,7 +97,8 @@ Gatv2ForwardArgs prepare_gatv2_forward(const at::Tensor& x_src, const at::Tensor
                      contiguous_or_undefined(edge_weight),
                      indptr.contiguous(),
                      indices.contiguous(),
-                     contiguous_or_undefined(dropout_mask)};
+                     contiguous_or_undefined(dropout_mask),
+                     contiguous_or_undefined(edge_attr_rows)};
   if (a.edge_weight.defined()) {
     a.edge_mode = Gatv2EdgeMode::kProject;
     a.edge_dim = a.edge_attr.size(1);
@@ -109,10 +122,10 @@ Gatv2BackwardArgs prepare_gatv2_backward(
     const c10::optional<at::Tensor>& edge_attr, const c10::optional<at::Tensor>& edge_weight,
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
     const at::Tensor& rev_dst, const c10::optional<at::Tensor>& dropout_mask, double dropout_scale,
-    std::array<bool, 5> output_mask) {
+    std::array<bool, 5> output_mask, const c10::optional<at::Tensor>& edge_attr_rows) {
   Gatv2BackwardArgs a;
   a.fwd = prepare_gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
-                                dropout_scale);
+                                dropout_scale, edge_attr_rows);
   // The same checks as GAT's backward (x_dst gives the destination count GAT takes from a_dst).
   check_gat_backward_args(grad_out, grad_alpha, out, lse, x_src, x_dst, indices, rev_indptr, rev_edge, rev_dst);
   a.grad_out = grad_out.contiguous();
@@ -134,8 +147,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_
     const Gatv2BackwardArgs& a) {
   const auto& f = a.fwd;
   auto empty = [&] { return f.x_src.new_empty({0}); };
+  // Every row is written once when each is read once; read through edge_attr_rows with other
+  // row counts, some are read by no edge and get zeros. (Rows read twice: see the kernels.)
+  auto edge_attr_grad = [&] {
+    const bool all_written = !f.edge_attr_rows.defined() || f.edge_attr.size(0) == f.indices.numel();
+    return all_written ? at::empty_like(f.edge_attr) : at::zeros_like(f.edge_attr);
+  };
   return {a.want_x_src ? at::empty_like(f.x_src) : empty(), a.want_x_dst ? at::empty_like(f.x_dst) : empty(),
-          a.want_att ? at::empty_like(f.att) : empty(), a.want_edge_attr ? at::empty_like(f.edge_attr) : empty(),
+          a.want_att ? at::empty_like(f.att) : empty(), a.want_edge_attr ? edge_attr_grad() : empty(),
           a.want_edge_weight ? at::empty_like(f.edge_weight) : empty()};
 }
 
@@ -143,16 +162,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_
 
 TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
   // out [num_dst,H,C], lse [num_dst,H] (float32 for half types), alpha [E,H] if return_alpha else [0,H].
-  // edge_attr is [E,K] with edge_weight [K,H,C], or [E,H,C] (already projected) without it.
+  // edge_attr is [R,K] with edge_weight [K,H,C], or [R,H,C] (already projected) without it: R = E
+  // rows in CSC order, or any R with edge_attr_rows [E] naming the row each CSC position reads
+  // (distinct rows where edge_attr's gradient is wanted).
   m.def(
       "gatv2_forward(Tensor x_src, Tensor x_dst, Tensor att, Tensor? edge_attr, Tensor? edge_weight, "
       "Tensor indptr, Tensor indices, Tensor? dropout_mask, float negative_slope, float dropout_scale, "
-      "bool return_alpha) -> (Tensor, Tensor, Tensor)");
-  // Gradients of x_src, x_dst, att, edge_attr (CSC order), edge_weight; an entry whose
-  // output_mask is false (or whose input is absent) comes back as an empty tensor and costs no work.
+      "bool return_alpha, Tensor? edge_attr_rows=None) -> (Tensor, Tensor, Tensor)");
+  // Gradients of x_src, x_dst, att, edge_attr (edge_attr's shape and row order), edge_weight; an
+  // entry whose output_mask is false (or whose input is absent) comes back as an empty tensor and
+  // costs no work.
   m.def(
       "gatv2_backward(Tensor grad_out, Tensor? grad_alpha, Tensor out, Tensor lse, Tensor x_src, "
       "Tensor x_dst, Tensor att, Tensor? edge_attr, Tensor? edge_weight, Tensor indptr, Tensor indices, "
       "Tensor rev_indptr, Tensor rev_edge, Tensor rev_dst, Tensor? dropout_mask, float negative_slope, "
-      "float dropout_scale, bool[5] output_mask) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "float dropout_scale, bool[5] output_mask, Tensor? edge_attr_rows=None) "
+      "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }

@@ -3,9 +3,11 @@
 //
 // For destination i, head h, incoming edge e = (j -> i) (CSC order) and channel c:
 //   z[e,h,c]  = x_src[j,h,c] + x_dst[i,h,c] + ep[e,h,c]
-//   ep[e,h,c] = sum_k edge_attr[e,k] * edge_weight[k,h,c]   (kProject)
-//             = edge_attr[e,h,c]                            (kDirect: features already projected)
+//   ep[e,h,c] = sum_k edge_attr[r,k] * edge_weight[k,h,c]   (kProject)
+//             = edge_attr[r,h,c]                            (kDirect: features already projected)
 //             = 0                                           (kNone)
+//   with r = edge_attr_rows[e] when given (edge_attr in the caller's edge order, read through the
+//   graph's permutation: no reordered copy), else r = e (edge_attr in CSC order)
 //   s[e,h]    = sum_c att[h,c] * leaky_relu(z[e,h,c])
 //   alpha     = softmax of s over the incoming edges of i, then the dropout mask (scaled)
 //   out[i,h,:]= sum_e alpha[e,h] * x_src[j,h,:]
@@ -29,11 +31,11 @@ void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, 
                               const c10::optional<at::Tensor>& edge_attr,
                               const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr,
                               const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
-                              double dropout_scale);
+                              double dropout_scale, const c10::optional<at::Tensor>& edge_attr_rows);
 
 // gatv2_forward's tensors after the checks, made contiguous; an absent optional is undefined.
 struct Gatv2ForwardArgs {
-  at::Tensor x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask;
+  at::Tensor x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, edge_attr_rows;
   Gatv2EdgeMode edge_mode = Gatv2EdgeMode::kNone;
   int64_t edge_dim = 0;  // K of edge_attr [E, K] in kProject mode, else 0
 };
@@ -41,7 +43,7 @@ Gatv2ForwardArgs prepare_gatv2_forward(const at::Tensor& x_src, const at::Tensor
                                        const c10::optional<at::Tensor>& edge_attr,
                                        const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr,
                                        const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
-                                       double dropout_scale);
+                                       double dropout_scale, const c10::optional<at::Tensor>& edge_attr_rows);
 
 // gatv2_forward's outputs, allocated: out [num_dst,H,C], lse [num_dst,H] (acc type), alpha [E or 0, H].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gatv2_outputs(const Gatv2ForwardArgs& a, bool return_alpha);
@@ -60,10 +62,11 @@ Gatv2BackwardArgs prepare_gatv2_backward(
     const c10::optional<at::Tensor>& edge_attr, const c10::optional<at::Tensor>& edge_weight,
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
     const at::Tensor& rev_dst, const c10::optional<at::Tensor>& dropout_mask, double dropout_scale,
-    std::array<bool, 5> output_mask);
+    std::array<bool, 5> output_mask, const c10::optional<at::Tensor>& edge_attr_rows);
 
 // gatv2_backward's gradients (x_src, x_dst, att, edge_attr, edge_weight), allocated
-// uninitialised; a skipped one is a distinct empty tensor, since op outputs must not alias.
+// uninitialised, except grad edge_attr read through edge_attr_rows with rows no edge reads (zeros
+// there); a skipped one is a distinct empty tensor, since op outputs must not alias.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_gatv2_gradients(
     const Gatv2BackwardArgs& a);
 

@@ -816,3 +816,143 @@ def test_the_ops_own_autograd_formulas_leave_the_log_sum_exp_non_differentiable(
     torch.ops.torch_gradops.gatv2_forward(xs, xd, att, None, None, g.indptr, g.indices, None, 0.2, 1.0,
                                           False)[0].sum().backward()
     assert att.grad is not None and att.grad.abs().sum() > 0
+
+
+# ---------------------------------------------------------------------------- edge_attr_rows
+def _rows_case(edge_mode, dtype, index_dtype, device, extra_rows):
+    """A permuted graph, edge features with ``extra_rows`` rows no edge reads (scattered among the
+    read ones), the rows each CSC position reads, and the same features gathered into CSC order."""
+    ei, ns, nd = make_graph("random", index_dtype, device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    E = graph.num_edges
+    x, xd, att, ea, w = (None if t is None else t.detach()
+                         for t in make_inputs(ns, nd, E + extra_rows, 2, 16, dtype, device, edge_mode=edge_mode,
+                                              edge_dim=5))
+    g = torch.Generator().manual_seed(3)
+    slots = torch.randperm(E + extra_rows, generator=g)[:E].to(device)  # rows of the E input edges
+    rows = slots.index_select(0, graph.perm.long()).to(index_dtype)
+    return graph, (x, xd, att, ea, w), rows, ea.index_select(0, rows.long())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("edge_mode", ["project", "direct"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("extra_rows", [0, 7])
+def test_edge_attr_rows_read_as_the_gathered_features(device, edge_mode, dtype, index_dtype, extra_rows):
+    """Edge features read through edge_attr_rows give bitwise the outputs and gradients of the
+    same features gathered into CSC order; grad edge_attr comes back in edge_attr's own rows, zero
+    for the rows no edge reads (also with every gradient but edge_attr's skipped)."""
+    graph, (x, xd, att, ea, w), rows, ea_csc = _rows_case(edge_mode, dtype, index_dtype, device, extra_rows)
+    ops = torch.ops.torch_gradops
+    p, i = graph.indptr, graph.indices
+    rev = graph.reverse_index()
+    mask = torch.rand(graph.num_edges, 2, generator=torch.Generator().manual_seed(4)).to(device) > 0.3
+    ours = ops.gatv2_forward(x, xd, att, ea, w, p, i, mask, 0.2, 1.5, True, rows)
+    ref = ops.gatv2_forward(x, xd, att, ea_csc, w, p, i, mask, 0.2, 1.5, True)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    out, lse, alpha = ref
+    go, ga = torch.randn_like(out), torch.randn_like(alpha)
+    for wanted in ([True] * 5, [False, False, False, True, False]):
+        args = (go, ga, out, lse, x, xd, att)
+        tail = (p, i, rev.indptr, rev.edge, rev.dst, mask, 0.2, 1.5, wanted)
+        g_ours = ops.gatv2_backward(*args, ea, w, *tail, rows)
+        g_ref = ops.gatv2_backward(*args, ea_csc, w, *tail)
+        for k in (0, 1, 2, 4):
+            assert torch.equal(g_ours[k], g_ref[k])
+        assert g_ours[3].shape == ea.shape
+        expect = torch.zeros_like(ea).index_copy(0, rows.long(), g_ref[3])
+        assert torch.equal(g_ours[3], expect)
+        if extra_rows:
+            unread = torch.ones(ea.size(0), dtype=torch.bool, device=device)
+            unread[rows.long()] = False
+            assert unread.sum() == extra_rows and (g_ours[3][unread] == 0).all()
+            assert (g_ref[3] != 0).any()
+
+
+def test_edge_attr_rows_errors():
+    graph, (x, xd, att, ea, w), rows, _ = _rows_case("project", torch.float32, torch.int64, "cpu", 3)
+    ops = torch.ops.torch_gradops
+    p, i = graph.indptr, graph.indices
+    fwd = lambda ea_, rows_: ops.gatv2_forward(x, xd, att, ea_, w, p, i, None, 0.2, 1.0, False, rows_)  # noqa: E731
+    with pytest.raises(RuntimeError, match=rf"edge_attr_rows: row {ea.size(0)} out of range \[0, {ea.size(0)}\)"):
+        fwd(ea, torch.where(rows == rows[5], ea.size(0), rows))
+    with pytest.raises(RuntimeError, match="edge_attr_rows: row -1 out of range"):
+        fwd(ea, torch.where(rows == rows[0], -1, rows))
+    with pytest.raises(RuntimeError, match="edge_attr_rows must have one entry per edge"):
+        fwd(ea, rows[1:])
+    with pytest.raises(RuntimeError, match="edge_attr_rows and indices must share one dtype"):
+        fwd(ea, rows.int())
+    with pytest.raises(RuntimeError, match="edge_attr_rows was given without edge_attr"):
+        ops.gatv2_forward(x, xd, att, None, None, p, i, None, 0.2, 1.0, False, rows)
+    with pytest.raises(RuntimeError, match="edge_attr has no rows"):
+        fwd(ea[:0], rows)
+    # a repeated row: reading is fine, a gradient written through it is refused
+    twice = rows.clone()
+    twice[1] = twice[0]
+    out, lse, _ = fwd(ea, twice)
+    rev = graph.reverse_index()
+    args = (torch.ones_like(out), None, out, lse, x, xd, att, ea, w, p, i, rev.indptr, rev.edge, rev.dst, None,
+            0.2, 1.0)
+    with pytest.raises(RuntimeError, match=f"row {int(rows[0])} appears twice"):
+        ops.gatv2_backward(*args, [False, False, False, True, False], twice)
+    ops.gatv2_backward(*args, [True, True, True, False, True], twice)  # grad edge_attr not wanted: no check
+
+
+def test_edge_attr_rows_opcheck():
+    ops = torch.ops.torch_gradops
+    for edge_mode in ("project", "direct"):
+        graph, (x, xd, att, ea, w), rows, _ = _rows_case(edge_mode, torch.float32, torch.int64, "cpu", 4)
+        p, i = graph.indptr, graph.indices
+        mask = torch.rand(graph.num_edges, 2) > 0.3
+        fargs = (x, xd, att, ea, w, p, i, mask, 0.2, 1.5, True, rows)
+        torch.library.opcheck(ops.gatv2_forward.default, fargs)
+        out, lse, alpha = ops.gatv2_forward(*fargs)
+        rev = graph.reverse_index()
+        for wanted in ([True] * 5, [False, False, False, True, False]):
+            torch.library.opcheck(ops.gatv2_backward.default,
+                                  (torch.randn_like(out), torch.randn_like(alpha), out, lse, x, xd, att, ea, w, p, i,
+                                   rev.indptr, rev.edge, rev.dst, mask, 0.2, 1.5, wanted, rows))
+
+
+@pytest.mark.parametrize("edge_mode", ["project", "direct"])
+def test_left_out_input_edges(edge_mode):
+    """A graph that holds only some of its input edges (num_input_edges > E, perm naming the
+    kept ones): gatv2_attention reads edge_attr in the input order through perm, matches the
+    reference on the kept edges, and gives the left-out edges' features zero gradient, under
+    gradcheck and gradgradcheck (float64)."""
+    ei, ns, nd = make_graph("random")
+    keep = torch.arange(ei.size(1)) % 4 != 1
+    full = tg.BipartiteCSC.from_edge_index(ei[:, keep], ns, nd)
+    kept_ids = keep.nonzero().squeeze(1)
+    graph = tg.BipartiteCSC(full.indptr, full.indices, ns, kept_ids.index_select(0, full.perm.long()),
+                            num_input_edges=ei.size(1))
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, "cpu", edge_mode=edge_mode)
+    x, xd, att, ea, w = inputs
+    out = call(inputs, graph)
+    ref, _ = reference([x, xd, att, ea[keep], w], ei[:, keep], nd)
+    torch.testing.assert_close(out, ref)
+    g_ea = torch.autograd.grad(out, ea, torch.randn_like(out))[0]
+    assert (g_ea[~keep] == 0).all() and (g_ea[keep] != 0).any()
+    diff = [t for t in inputs if t is not None]
+
+    def f(*ts):
+        return call(ts + ((None,) if w is None else ()), graph)
+
+    torch.autograd.gradcheck(f, diff, check_forward_ad=True)
+    torch.autograd.gradgradcheck(f, diff)
+
+
+def test_input_order_edge_features_are_not_copied():
+    """gatv2_attention with a permuted graph saves edge_attr itself for the backward, not a
+    reordered copy (the kernels read it through the graph's perm)."""
+    ei, ns, nd = make_graph("random")
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    assert graph.perm is not None
+    x, xd, att, ea, w = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float32, "cpu")
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        tg.gatv2_attention(x, xd, att, graph, edge_attr=ea, edge_weight=w)
+    assert any(t is ea for t in saved)
+    assert not any(t.shape == ea.shape and t is not ea for t in saved)

@@ -45,7 +45,7 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 # ---------------------------------------------------------------------------- fake kernels
 @torch.library.register_fake("torch_gradops::gatv2_forward")
 def _gatv2_forward_fake(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
-                        negative_slope, dropout_scale, return_alpha):
+                        negative_slope, dropout_scale, return_alpha, edge_attr_rows=None):
     num_dst, heads, channels = x_dst.size(0), x_src.size(1), x_src.size(2)
     out = x_src.new_empty((num_dst, heads, channels))
     lse = x_src.new_empty((num_dst, heads), dtype=_acc_dtype(x_src.dtype))
@@ -56,7 +56,7 @@ def _gatv2_forward_fake(x_src, x_dst, att, edge_attr, edge_weight, indptr, indic
 @torch.library.register_fake("torch_gradops::gatv2_backward")
 def _gatv2_backward_fake(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight,
                          indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, negative_slope,
-                         dropout_scale, output_mask):
+                         dropout_scale, output_mask, edge_attr_rows=None):
     def maybe(flag, like):
         # contiguous whatever the input's strides, as the kernels return them
         return like.new_empty(like.shape) if flag and like is not None else x_src.new_empty((0,))
@@ -74,22 +74,24 @@ def _fold_heads_first(t: torch.Tensor, bdim: Optional[int], batch: int) -> torch
 
 @torch.library.register_vmap("torch_gradops::gatv2_forward")
 def _gatv2_forward_vmap(info, in_dims, x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
-                        dropout_mask, negative_slope, dropout_scale, return_alpha):
+                        dropout_mask, negative_slope, dropout_scale, return_alpha, edge_attr_rows=None):
     """Heads are independent: a vmapped dimension folds into them (``[B, N, H, C] -> [N, B*H, C]``,
     inputs shared by the batch expanded). Raw edge features ``[E, K]`` have no heads and are
-    shared by every head: folded only when not vmapped; a vmapped graph or ``[E, K]`` runs the
-    op once per batch item."""
+    shared by every head: folded only when not vmapped; a vmapped graph (or ``edge_attr_rows``)
+    or ``[E, K]`` runs the op once per batch item."""
     args = (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, negative_slope,
-            dropout_scale, return_alpha)
+            dropout_scale, return_alpha, edge_attr_rows)
+    in_dims = tuple(in_dims) + (None,) * (len(args) - len(in_dims))
     batch = info.batch_size
     raw_edges = edge_weight is not None
-    if in_dims[5] is not None or in_dims[6] is not None or (raw_edges and in_dims[3] is not None):
+    if (in_dims[5] is not None or in_dims[6] is not None or in_dims[11] is not None
+            or (raw_edges and in_dims[3] is not None)):
         return _vmap_per_item(ops.gatv2_forward.default, batch, in_dims, args)
     fold = lambda t, d: None if t is None else _fold_heads(t, d, batch)  # noqa: E731
     out, lse, alpha = ops.gatv2_forward(
         fold(x_src, in_dims[0]), fold(x_dst, in_dims[1]), _fold_heads_first(att, in_dims[2], batch),
         edge_attr if raw_edges else fold(edge_attr, in_dims[3]), fold(edge_weight, in_dims[4]), indptr, indices,
-        fold(dropout_mask, in_dims[7]), negative_slope, dropout_scale, return_alpha)
+        fold(dropout_mask, in_dims[7]), negative_slope, dropout_scale, return_alpha, edge_attr_rows)
     return (_unfold_heads(out, batch), _unfold_heads(lse, batch), _unfold_heads(alpha, batch)), (1, 1, 1)
 
 
@@ -305,7 +307,22 @@ def _gatv2_composite(x_src, x_dst, att, edge_attr, edge_weight, graph: Bipartite
 
 # ---------------------------------------------------------------------------- autograd
 _N_DIFF = 5  # x_src, x_dst, att, edge_attr, edge_weight
-_N_REST = 9  # indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, slope, scale, return_alpha
+# indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, slope, scale, return_alpha, edge_attr_rows
+_N_REST = 10
+
+
+def _csc_edge_attr(edge_attr, rows):
+    """``edge_attr``'s rows in CSC order: itself, or its rows read through ``rows`` (the op's
+    ``edge_attr_rows``); what every path but the kernels' takes."""
+    return edge_attr if edge_attr is None or rows is None else edge_attr.index_select(0, rows)
+
+
+def _rows_grad(grad, rows, num_rows: int):
+    """A CSC-order gradient of ``edge_attr`` in ``edge_attr``'s own rows (``num_rows`` of them;
+    zeros for the rows no edge reads), differentiably: :func:`_csc_edge_attr`'s adjoint."""
+    if grad is None or rows is None:
+        return grad
+    return grad.new_zeros((num_rows,) + tuple(grad.shape[1:])).index_copy(0, rows.long(), grad)
 
 
 def _wanted_grads(ctx, grad_out, grad_alpha, out):
@@ -322,12 +339,13 @@ def _wanted_grads(ctx, grad_out, grad_alpha, out):
 
 
 def _fused_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
-                    rev_indptr, rev_edge, rev_dst, dropout_mask, negative_slope, dropout_scale, needs) -> tuple:
+                    rev_indptr, rev_edge, rev_dst, dropout_mask, negative_slope, dropout_scale, needs,
+                    edge_attr_rows) -> tuple:
     """The deterministic backward kernel's gradients (None where not needed)."""
     grads = ops.gatv2_backward(
         grad_out.contiguous(), None if grad_alpha is None else grad_alpha.contiguous(), out, lse,
         x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
-        dropout_mask, negative_slope, dropout_scale, needs)
+        dropout_mask, negative_slope, dropout_scale, needs, edge_attr_rows)
     return tuple(g if n else None for g, n in zip(grads, needs))
 
 
@@ -340,14 +358,15 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
 
     @staticmethod
     def forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge,
-                rev_dst, dropout_mask, negative_slope, dropout_scale, return_alpha):
+                rev_dst, dropout_mask, negative_slope, dropout_scale, return_alpha, edge_attr_rows=None):
         return ops.gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
-                                 dropout_mask, negative_slope, dropout_scale, return_alpha)
+                                 dropout_mask, negative_slope, dropout_scale, return_alpha, edge_attr_rows)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
-         dropout_mask, negative_slope, dropout_scale, return_alpha) = inputs
+         dropout_mask, negative_slope, dropout_scale, return_alpha, *rest) = inputs
+        edge_attr_rows = rest[0] if rest else None
         out, lse, _ = output
         # One call: each call replaces the previous set (lse left differentiable gets a None
         # tangent, which trips an internal assert in forward AD).
@@ -358,14 +377,14 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
         ctx.has_rev = rev_indptr is not None
         ctx.return_alpha = return_alpha
         ctx.save_for_backward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr,
-                              rev_edge, rev_dst, dropout_mask, out, lse)
+                              rev_edge, rev_dst, dropout_mask, out, lse, edge_attr_rows)
         ctx.save_for_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
-                             out, lse)
+                             out, lse, edge_attr_rows)
 
     @staticmethod
     def backward(ctx, grad_out, grad_lse, grad_alpha):
         (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge, rev_dst,
-         dropout_mask, out, lse) = ctx.saved_tensors
+         dropout_mask, out, lse, rows) = ctx.saved_tensors
         needs, grad_out, grad_alpha = _wanted_grads(ctx, grad_out, grad_alpha, out)
         none_rest = (None,) * _N_REST
         if not any(needs):
@@ -376,16 +395,19 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
             # tensors from vmap: the same gradients as a differentiable computation (exact, not
             # the fused kernel). Its per-node sums of edge rows are segment sums in a fixed
             # order (_segments): bitwise repeatable on CPU and CUDA.
+            ea = _csc_edge_attr(edge_attr, rows)
             if ctx.has_rev and not torch.compiler.is_compiling():
                 edges = _Edges.of_csc(indptr, indices, rev_indptr, rev_edge, rev_dst, x_src.size(0))
-                grads = _gatv2_backward_recomputing(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
+                grads = _gatv2_backward_recomputing(grad_out, grad_alpha, x_src, x_dst, att, ea, edge_weight,
                                                     lse, edges, dropout_mask, ctx.negative_slope, ctx.dropout_scale,
                                                     needs)
-                return tuple(grads) + none_rest
-            dst = csc_destinations(indptr, indices.numel()).long()
-            grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
-                                              indices.long(), dst, x_dst.size(0), dropout_mask,
-                                              ctx.negative_slope, ctx.dropout_scale, needs)
+            else:
+                dst = csc_destinations(indptr, indices.numel()).long()
+                grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, ea, edge_weight,
+                                                  indices.long(), dst, x_dst.size(0), dropout_mask,
+                                                  ctx.negative_slope, ctx.dropout_scale, needs)
+            if edge_attr is not None:
+                grads[3] = _rows_grad(grads[3], rows, edge_attr.size(0))
             return tuple(grads) + none_rest
 
         if not ctx.has_rev:
@@ -393,7 +415,7 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
                                "but a gradient is needed; call gatv2_attention() instead")
         return _fused_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight, indptr,
                                indices, rev_indptr, rev_edge, rev_dst, dropout_mask, ctx.negative_slope,
-                               ctx.dropout_scale, needs) + none_rest
+                               ctx.dropout_scale, needs, rows) + none_rest
 
 
 # Autograd on the op itself, as for gat_forward: a program that calls the op without the
@@ -401,33 +423,37 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
 # this formula; without one the exported layer's input gradients were None.
 def _gatv2_forward_setup_context(ctx, inputs, output):
     (x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, negative_slope, dropout_scale,
-     return_alpha) = inputs
+     return_alpha, *rest) = inputs
+    edge_attr_rows = rest[0] if rest else None
     out, lse, _ = output
     ctx.mark_non_differentiable(lse)  # the log-sum-exp is the backward's, not an output to differentiate
     ctx.negative_slope = negative_slope
     ctx.dropout_scale = dropout_scale
     ctx.has = (True, True, True, edge_attr is not None, edge_weight is not None)
-    ctx.save_for_backward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, out, lse)
+    ctx.save_for_backward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, out, lse,
+                          edge_attr_rows)
 
 
 def _gatv2_forward_backward(ctx, grad_out, grad_lse, grad_alpha):
-    x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, out, lse = ctx.saved_tensors
+    x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, out, lse, rows = ctx.saved_tensors
     needs, grad_out, grad_alpha = _wanted_grads(ctx, grad_out, grad_alpha, out)
-    rest = (None,) * 6  # indptr, indices, dropout_mask, slope, scale, return_alpha
+    rest = (None,) * 7  # indptr, indices, dropout_mask, slope, scale, return_alpha, edge_attr_rows
     if not any(needs):
         return (None,) * _N_DIFF + rest
     if torch.is_grad_enabled() or torch.compiler.is_compiling() or any(
             is_transformed(t) for t in (grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight)):
         dst = csc_destinations(indptr, indices.numel()).long()
-        grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, edge_attr, edge_weight,
-                                          indices.long(), dst, x_dst.size(0), dropout_mask, ctx.negative_slope,
-                                          ctx.dropout_scale, needs)
+        grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, _csc_edge_attr(edge_attr, rows),
+                                          edge_weight, indices.long(), dst, x_dst.size(0), dropout_mask,
+                                          ctx.negative_slope, ctx.dropout_scale, needs)
+        if edge_attr is not None:
+            grads[3] = _rows_grad(grads[3], rows, edge_attr.size(0))
         return tuple(grads) + rest
     # No graph object here: build the reverse index as BipartiteCSC does.
     edges = _Edges.of(BipartiteCSC(indptr, indices, x_src.size(0), validate=False))
     return _fused_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight, indptr, indices,
                            edges.rev_indptr, edges.rev_edge, edges.rev_dst, dropout_mask, ctx.negative_slope,
-                           ctx.dropout_scale, needs) + rest
+                           ctx.dropout_scale, needs, rows) + rest
 
 
 torch.library.register_autograd("torch_gradops::gatv2_forward", _gatv2_forward_backward,
@@ -435,14 +461,20 @@ torch.library.register_autograd("torch_gradops::gatv2_forward", _gatv2_forward_b
 
 
 class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
-    """Autograd for the fused GATv2 kernels. All per-edge tensors are in CSC edge order.
+    """Autograd for the fused GATv2 kernels. All per-edge tensors are in CSC edge order, except
+    ``edge_attr`` when ``edge_attr_rows`` is given.
 
     ``forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, rev_indptr, rev_edge,
-    rev_dst, dropout_mask, negative_slope, dropout_scale, return_alpha) -> (out, lse, alpha)``
+    rev_dst, dropout_mask, negative_slope, dropout_scale, return_alpha, edge_attr_rows=None)
+    -> (out, lse, alpha)``
 
     * ``x_src [num_src, H, C]``, ``x_dst [num_dst, H, C]``, ``att [H, C]``; ``edge_attr [E, K]``
       with ``edge_weight [K, H, C]``, or ``edge_attr [E, H, C]`` (already projected) with
       ``edge_weight=None``, or both None; ``dropout_mask [E, H]`` bool or None (kept edges).
+    * ``edge_attr_rows [E]`` (the indices' dtype) or None: the row of ``edge_attr`` that each CSC
+      position reads (a graph's ``perm``, distinct rows; ``edge_attr`` then has any number of
+      rows, and rows no edge reads get zero gradient). The kernels read through it, so edge
+      features in the input edge order need no reordered copy.
     * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (non-differentiable log-sum-exp of the
       scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
     * The reverse (source-grouped) index ``rev_*`` is only needed when a gradient is wanted.
@@ -457,17 +489,19 @@ class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
 
     @staticmethod
     def jvp(ctx, t_xs, t_xd, t_att, t_ea, t_w, *_):
-        x_src, x_dst, att, ea, w, indptr, indices, mask, out, lse = ctx.saved_tensors
+        x_src, x_dst, att, ea, w, indptr, indices, mask, out, lse, rows = ctx.saved_tensors
         t_out, t_alpha = _gatv2_jvp((t_xs, t_xd, t_att, t_ea, t_w), x_src, x_dst, att, ea, w, indptr, indices,
-                                    mask, lse, ctx.negative_slope, ctx.dropout_scale, ctx.return_alpha)
+                                    mask, lse, ctx.negative_slope, ctx.dropout_scale, ctx.return_alpha, rows)
         return t_out, None, t_alpha
 
 
 def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, negative_slope, dropout_scale,
-               want_alpha):
+               want_alpha, edge_attr_rows=None):
     """Tangents of ``out`` and of ``alpha`` (CSC order; None unless ``want_alpha``) along
-    ``tangents`` (of x_src, x_dst, att, edge_attr, edge_weight; None entries: no tangent)."""
+    ``tangents`` (of x_src, x_dst, att, edge_attr, edge_weight; None entries: no tangent).
+    ``ea`` and its tangent are read through ``edge_attr_rows`` when given."""
     t_xs, t_xd, t_att, t_ea, t_w = tangents
+    ea, t_ea = _csc_edge_attr(ea, edge_attr_rows), _csc_edge_attr(t_ea, edge_attr_rows)
     acc = _acc_dtype(x_src.dtype)
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
     xs, xd, att_a, ea_a, w_a = map(cast, (x_src, x_dst, att, ea, w))
@@ -632,27 +666,31 @@ def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor,
         ``out [num_dst, H, C]``, or ``(out, alpha)``. Destinations without incoming edges get zeros.
     """
     _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout)
-    ea = None if edge_attr is None else graph.edge_order(edge_attr)
-    return _gatv2_attention_csc(x_src, x_dst, att, graph, negative_slope, ea, edge_weight, dropout, training,
-                                return_attention)
+    return _gatv2_attention_csc(x_src, x_dst, att, graph, negative_slope, edge_attr, edge_weight, dropout, training,
+                                return_attention, input_order=True)
 
 
-def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope: float, ea, edge_weight,
-                         dropout: float, training: bool, return_attention: bool):
-    """:func:`gatv2_attention` on checked inputs with the edge features ``ea`` already in CSC
-    order (what ``graph.edge_order`` gives): for callers that keep them so across calls."""
+def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope: float, edge_attr, edge_weight,
+                         dropout: float, training: bool, return_attention: bool, input_order: bool = False):
+    """:func:`gatv2_attention` on checked inputs, with the edge features ``edge_attr`` already in
+    CSC order (what ``graph.edge_order`` gives: for callers that keep them so across calls), or,
+    with ``input_order``, in the graph's input edge order. The kernels read the latter through
+    ``graph.perm`` (no reordered copy, and its gradient is written in place); the composite and
+    forward-mode paths reorder it themselves."""
+    rows = graph.perm if input_order and edge_attr is not None else None
     heads = x_src.size(1)
     mask = None
     scale = 1.0
     if training and dropout > 0.0:
         mask, scale = _dropout_mask(graph.num_edges, heads, dropout, x_src.device)
-    diff = (x_src, x_dst, att, ea, edge_weight)
+    diff = (x_src, x_dst, att, edge_attr, edge_weight)
     compiling = torch.compiler.is_compiling()
     # (GATv2's jvp, composite in chunks, has no batching rule under jacrev(jacfwd(f)).)
     how = route([t for t in diff if t is not None], reverse_over_forward=False)
     if how == COMPOSITE:
         _prepare_graph(graph, reverse=False, inverse=bool(return_attention))
-        out, alpha = _gatv2_composite(*diff, graph, mask, float(negative_slope), scale)
+        ea = graph.edge_order(edge_attr) if rows is not None else edge_attr
+        out, alpha = _gatv2_composite(x_src, x_dst, att, ea, edge_weight, graph, mask, float(negative_slope), scale)
         return (out, graph.original_order(alpha)) if return_attention else out
     # An input with a forward-mode tangent may have its tangent's graph differentiated later
     # (autograd over jvp), so it gets the reverse index too, as in gat_attention.
@@ -661,7 +699,7 @@ def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope:
     rev = _prepare_graph(graph, reverse=want_reverse, inverse=bool(return_attention))
     rev_tensors = (rev.indptr, rev.edge, rev.dst) if want_reverse else (None, None, None)
     tail = (graph.indptr, graph.indices, *rev_tensors, mask, float(negative_slope), float(scale),
-            bool(return_attention))
+            bool(return_attention), rows)
     if not compiling:
         out, _, alpha = GATv2AttentionFunction.apply(*diff, *tail)
     elif how == FUSED_JVP:
@@ -670,7 +708,7 @@ def _gatv2_attention_csc(x_src, x_dst, att, graph: BipartiteCSC, negative_slope:
         primals, tangents = split_duals(diff)
         out, lse, alpha = _GATv2AttentionFirstOrder.apply(*primals, *tail)
         t_out, t_alpha = _gatv2_jvp(tangents, *primals, graph.indptr, graph.indices, mask, lse,
-                                    float(negative_slope), float(scale), bool(return_attention))
+                                    float(negative_slope), float(scale), bool(return_attention), rows)
         out = join_dual(out, t_out)
         alpha = join_dual(alpha, t_alpha) if return_attention else alpha
     else:

@@ -160,18 +160,20 @@ inline void edge_attr_grad_tile(acc_t* __restrict__ g, const acc_t* __restrict__
   }
 }
 
-// The edge terms of a pass's positions pos = 0..n-1 (position pos holds edge edge_of[pos], or
-// edge pos when edge_of is null): in kProject mode the projected edge features
-// ep[e] = edge_attr[e] @ W, computed per aligned tile of kTile positions when a position of a
-// new tile is asked for and kept until then (the passes walk positions in order, so each tile is
-// computed about once per thread; nothing of size E x H x C: one tile per thread); in kDirect
-// mode the given rows edge_attr[e]; in kNone mode none.
+// The edge terms of a pass's positions pos = 0..n-1 (position pos holds edge e = edge_of[pos],
+// or edge pos when edge_of is null; edge e reads row r = rows[e] of edge_attr, or row e when rows
+// is null): in kProject mode the projected edge features ep[e] = edge_attr[r] @ W, computed per
+// aligned tile of kTile positions when a position of a new tile is asked for and kept until then
+// (the passes walk positions in order, so each tile is computed about once per thread; nothing of
+// size E x H x C: one tile per thread); in kDirect mode the given rows edge_attr[r]; in kNone
+// mode none.
 template <typename acc_t, typename TE, typename index_t>
 class EdgeProjector {
  public:
   EdgeProjector(const TE* ea, const acc_t* w, int64_t K, int64_t HC, int64_t E, int64_t n, const index_t* edge_of,
-                Gatv2EdgeMode mode)
-      : ea_(ea), w_(w), K_(K), HC_(HC), E_(E), n_(n), edge_of_(edge_of), mode_(mode) {
+                const index_t* rows, int64_t num_rows, Gatv2EdgeMode mode)
+      : ea_(ea), w_(w), K_(K), HC_(HC), E_(E), n_(n), num_rows_(num_rows), edge_of_(edge_of), rows_(rows),
+        mode_(mode) {
     if (mode == Gatv2EdgeMode::kProject) {
       eab_.resize(kTile * K);
       P_.resize(kTile * HC);
@@ -184,7 +186,7 @@ class EdgeProjector {
     if (mode_ == Gatv2EdgeMode::kProject) {
       edge_preact(z, src_row, dst_row, row(pos), HC_);
     } else {
-      const TE* ep = mode_ == Gatv2EdgeMode::kDirect ? ea_ + edge(pos) * HC_ : nullptr;
+      const TE* ep = mode_ == Gatv2EdgeMode::kDirect ? ea_ + attr_row(edge(pos)) * HC_ : nullptr;
       edge_preact(z, src_row, dst_row, ep, HC_);
     }
   }
@@ -199,13 +201,41 @@ class EdgeProjector {
           std::fill(dst, dst + K_, acc_t(0));
           continue;
         }
-        const int64_t e = edge(p);
-        for (int64_t k = 0; k < K_; ++k) dst[k] = static_cast<acc_t>(ea_[e * K_ + k]);
+        const TE* src = ea_ + attr_row(edge(p)) * K_;
+        for (int64_t k = 0; k < K_; ++k) dst[k] = static_cast<acc_t>(src[k]);
+      }
+      // The next tile's rows, which read through edge_of or rows are scattered: a cache miss
+      // each, overlapped with this tile's work instead of stalling its start.
+      const int64_t row_bytes = K_ * static_cast<int64_t>(sizeof(TE));
+      for (int64_t p = t0 + kTile; p < std::min(t0 + 2 * kTile, n_); ++p) {
+        const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[p]) : p;
+        const int64_t r = e >= 0 && e < E_ && rows_ ? static_cast<int64_t>(rows_[e]) : e;
+        if (e < 0 || e >= E_ || r < 0 || r >= num_rows_) continue;  // (reported when read)
+        const char* line = reinterpret_cast<const char*>(ea_ + r * K_);
+        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
       }
       project_tile(P_.data(), eab_.data(), w_, K_, HC_);
       tile0_ = t0;
     }
     return P_.data() + (pos - t0) * HC_;
+  }
+
+  // kDirect mode, edge_attr read through rows: prefetch position pos's row (scattered, unlike the
+  // rows read in CSC order, which the hardware prefetcher follows).
+  void prefetch_direct(int64_t pos) const {
+    if (mode_ != Gatv2EdgeMode::kDirect || !rows_ || pos >= n_) return;
+    const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[pos]) : pos;
+    if (e < 0 || e >= E_) return;
+    const int64_t r = rows_[e];
+    if (r >= 0 && r < num_rows_) cpu::prefetch_row(ea_ + r * HC_, HC_);
+  }
+
+  // The row of edge_attr that edge e (a CSC position) reads.
+  int64_t attr_row(int64_t e) const {
+    if (!rows_) return e;
+    const int64_t r = rows_[e];
+    TORCH_CHECK(r >= 0 && r < num_rows_, "edge_attr_rows: row ", r, " out of range [0, ", num_rows_, ")");
+    return r;
   }
 
  private:
@@ -217,8 +247,9 @@ class EdgeProjector {
 
   const TE* ea_;
   const acc_t* w_;
-  int64_t K_, HC_, E_, n_;
+  int64_t K_, HC_, E_, n_, num_rows_;
   const index_t* edge_of_;
+  const index_t* rows_;
   Gatv2EdgeMode mode_;
   int64_t tile0_ = -1;
   std::vector<acc_t> eab_, P_;
@@ -528,6 +559,8 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   const bool* mk = a.dropout_mask.defined() ? a.dropout_mask.data_ptr<bool>() : nullptr;
   const index_t* ptr = a.indptr.data_ptr<index_t>();
   const index_t* idx = a.indices.data_ptr<index_t>();
+  const index_t* ea_rows = a.edge_attr_rows.defined() ? a.edge_attr_rows.data_ptr<index_t>() : nullptr;
+  const int64_t num_rows = a.edge_attr.defined() ? a.edge_attr.size(0) : 0;
   scalar_t* o = out.data_ptr<scalar_t>();
   acc_t* lse_p = lse.data_ptr<acc_t>();
   scalar_t* al = alpha ? alpha->data_ptr<scalar_t>() : nullptr;
@@ -544,7 +577,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   // loops (it cannot tell the stores from them).
   parallel_over_rows(ptr, num_dst, HC * (2 + K),
                    [&, slope, keep_scale, neg_inf, H, C, HC, K, mode](int64_t begin, int64_t end) {
-    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode);
+    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, ea_rows, num_rows, mode);
     // Per tile of up to kTile edges: score holds their [t, h] scores; ex holds the H rescale
     // factors then the [t, h] edge weights, so that one exp call serves the whole tile.
     std::vector<acc_t> acc(HC), xdi(HC), z(HC), run_max(H), run_sum(H), score(kTile * H), ex(H + kTile * H);
@@ -570,6 +603,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
           if (e + kPrefetchDistance < E) {
             const int64_t jn = idx[e + kPrefetchDistance];
             if (jn >= 0 && jn < num_src) ahead = xs + jn * HC;
+            proj.prefetch_direct(e + kPrefetchDistance);
           }
           const scalar_t* xj = xs + j * HC;
           rows[t] = xj;
@@ -578,7 +612,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
             if (mode == Gatv2EdgeMode::kNone) {
               head_scores_rows<acc_t, false>(xj, xdi.data(), nullptr, att, slope, st, H, C, ahead);
             } else {
-              const acc_t* ep = mode == Gatv2EdgeMode::kDirect ? ea + e * HC : proj.row(e);
+              const acc_t* ep = mode == Gatv2EdgeMode::kDirect ? ea + proj.attr_row(e) * HC : proj.row(e);
               head_scores_rows<acc_t, true>(xj, xdi.data(), ep, att, slope, st, H, C, ahead);
             }
           } else {
@@ -638,9 +672,10 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cpu(
     const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att, const c10::optional<at::Tensor>& edge_attr,
     const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr, const at::Tensor& indices,
-    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale, bool return_alpha) {
+    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale, bool return_alpha,
+    const c10::optional<at::Tensor>& edge_attr_rows) {
   const auto a = prepare_gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
-                                       dropout_scale);
+                                       dropout_scale, edge_attr_rows);
   at::Tensor out, lse, alpha;
   std::tie(out, lse, alpha) = allocate_gatv2_outputs(a, return_alpha);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gatv2_forward_cpu", [&] {
@@ -649,6 +684,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cpu(
     });
   });
   return {out, lse, alpha};
+}
+
+// edge_attr_rows must name each row at most once where edge_attr's gradient is written through it:
+// a row named twice would get two writes (the last wins, which is neither the sum nor
+// deterministic across threads). One pass over a byte per row.
+template <typename index_t>
+void check_distinct_rows(const index_t* rows, int64_t E, int64_t num_rows) {
+  std::vector<uint8_t> seen(num_rows, 0);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t r = rows[e];
+    TORCH_CHECK(r >= 0 && r < num_rows, "edge_attr_rows: row ", r, " out of range [0, ", num_rows, ")");
+    TORCH_CHECK(!seen[r], "edge_attr_rows must name distinct rows of edge_attr when its gradient is wanted; row ",
+                r, " appears twice");
+    seen[r] = 1;
+  }
 }
 
 template <typename scalar_t, typename index_t>
@@ -671,6 +721,9 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   const bool* mk = a.dropout_mask.defined() ? a.dropout_mask.data_ptr<bool>() : nullptr;
   const index_t* ptr = a.indptr.data_ptr<index_t>();
   const index_t* idx = a.indices.data_ptr<index_t>();
+  const index_t* ea_rows = a.edge_attr_rows.defined() ? a.edge_attr_rows.data_ptr<index_t>() : nullptr;
+  const int64_t num_rows = a.edge_attr.defined() ? a.edge_attr.size(0) : 0;
+  if (want_ea && ea_rows) check_distinct_rows(ea_rows, E, num_rows);
   const std::vector<acc_t> att_v = to_acc_vector<acc_t, scalar_t>(a.att);
   const std::vector<acc_t> w_v = to_acc_vector<acc_t, scalar_t>(a.edge_weight);
   const acc_t* att = att_v.data();
@@ -733,13 +786,13 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   // Pass 1, per destination in fixed chunks (each chunk's partial is its own; a group's x_src
   // partial is its own too).
   at::parallel_for(0, n_tasks, 1, [&, slope, keep_scale, H, C, HC, K, Kp, mode](int64_t tbegin, int64_t tend) {
-    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, mode);
+    EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, nullptr, ea_rows, num_rows, mode);
     std::vector<acc_t> xdi(HC), z(HC), dz(HC), gxd_acc(HC);
     // The last few edges (in order; flushed every kTile edges and at each chunk's end, so the
-    // batches depend on the graph only): their dz rows, edge_attr rows and ids.
+    // batches depend on the graph only): their dz rows, edge_attr rows and those rows' ids.
     std::vector<acc_t> dz_batch(batch_edges ? kTile * HC : 0), ea_batch(want_w ? kTile * K : 0);
     std::vector<acc_t> gea_tile(want_ea_proj ? kTile * Kp : 0);
-    int64_t batch_edge[kTile];
+    int64_t batch_row[kTile];
     int n_batch = 0;
     auto flush_batch = [&](acc_t* pw) {
       if (n_batch == 0) return;
@@ -751,7 +804,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
       if (want_ea_proj) {
         edge_attr_grad_tile(gea_tile.data(), dz_batch.data(), wT.data(), Kp, HC);
         for (int b = 0; b < n_batch; ++b) {
-          for (int64_t k = 0; k < K; ++k) gea[batch_edge[b] * K + k] = static_cast<scalar_t>(gea_tile[b * Kp + k]);
+          for (int64_t k = 0; k < K; ++k) gea[batch_row[b] * K + k] = static_cast<scalar_t>(gea_tile[b * Kp + k]);
         }
       }
       n_batch = 0;
@@ -798,6 +851,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
               prefetch_row(xs + jn * HC, HC);
               if (sx) prefetch_row(sx + jn * HC, HC);
             }
+            proj.prefetch_direct(e + kPrefetchDistance);
           }
           const scalar_t* xj = xs + j * HC;
           proj.preact(z.data(), xj, xdi.data(), e);
@@ -830,13 +884,15 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
                                               sx ? sx + j * HC : nullptr, z.data(), att, ds.data(), aw.data(), gi,
                                               slope, H, C);
           if (gea && mode == Gatv2EdgeMode::kDirect) {
-            for (int64_t f = 0; f < HC; ++f) gea[e * HC + f] = static_cast<scalar_t>(dzr[f]);
+            scalar_t* gr = gea + proj.attr_row(e) * HC;
+            for (int64_t f = 0; f < HC; ++f) gr[f] = static_cast<scalar_t>(dzr[f]);
           }
           if (batch_edges) {
+            const int64_t r = proj.attr_row(e);
             if (pw) {
-              for (int64_t k = 0; k < K; ++k) ea_batch[n_batch * K + k] = static_cast<acc_t>(ea[e * K + k]);
+              for (int64_t k = 0; k < K; ++k) ea_batch[n_batch * K + k] = static_cast<acc_t>(ea[r * K + k]);
             }
-            batch_edge[n_batch] = e;
+            batch_row[n_batch] = r;
             if (++n_batch == kTile) flush_batch(pw);
           }
         }
@@ -888,7 +944,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
     parallel_over_rows(rptr, num_src, HC * (2 + K),
                      [&, slope, H, C, HC, K, mode](int64_t begin, int64_t end) {
       // Positions k of the reverse index hold edges redge[k]: tiles of projected rows by position.
-      EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, redge, mode);
+      EdgeProjector<acc_t, scalar_t, index_t> proj(ea, w, K, HC, E, E, redge, ea_rows, num_rows, mode);
       std::vector<acc_t> accx(HC), z(HC), aw(H), dsh(H);
       for (int64_t j = begin; j < end; ++j) {
         std::fill(accx.begin(), accx.end(), acc_t(0));
@@ -907,12 +963,9 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             if (en >= 0 && en < E) {
               __builtin_prefetch(ds_ws + en * H);
               __builtin_prefetch(aw_ws + en * H);
-              if (mode == Gatv2EdgeMode::kDirect) prefetch_row(ea + en * HC, HC);
+              const int64_t rn = ea_rows ? static_cast<int64_t>(ea_rows[en]) : en;
+              if (mode == Gatv2EdgeMode::kDirect && rn >= 0 && rn < num_rows) prefetch_row(ea + rn * HC, HC);
             }
-          }
-          if (project && k + kTile < E) {  // the next tile's edge_attr rows (read at its start)
-            const int64_t en = redge[k + kTile];
-            if (en >= 0 && en < E) __builtin_prefetch(ea + en * K);
           }
           for (int64_t h = 0; h < H; ++h) {
             aw[h] = aw_ws[e * H + h];
@@ -923,7 +976,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
               add_src_grad_rows<acc_t, false>(accx.data(), xj, xd + i * HC, nullptr, att, g + i * HC, aw.data(),
                                               dsh.data(), slope, H, C);
             } else {
-              const acc_t* ep = project ? proj.row(k) : ea + e * HC;
+              const acc_t* ep = project ? proj.row(k) : ea + proj.attr_row(e) * HC;
               add_src_grad_rows<acc_t, true>(accx.data(), xj, xd + i * HC, ep, att, g + i * HC, aw.data(),
                                              dsh.data(), slope, H, C);
             }
@@ -944,10 +997,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
     const c10::optional<at::Tensor>& edge_attr, const c10::optional<at::Tensor>& edge_weight,
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
     const at::Tensor& rev_dst, const c10::optional<at::Tensor>& dropout_mask, double negative_slope,
-    double dropout_scale, std::array<bool, 5> output_mask) {
+    double dropout_scale, std::array<bool, 5> output_mask, const c10::optional<at::Tensor>& edge_attr_rows) {
   const auto b = prepare_gatv2_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight,
                                         indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, dropout_scale,
-                                        output_mask);
+                                        output_mask, edge_attr_rows);
   at::Tensor gxs, gxd, gatt, gea, gw;
   std::tie(gxs, gxd, gatt, gea, gw) = allocate_gatv2_gradients(b);
   if (!b.any()) return {gxs, gxd, gatt, gea, gw};

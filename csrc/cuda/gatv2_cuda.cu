@@ -45,7 +45,7 @@ constexpr int64_t kMaxChunks = 1024;                  // edge chunks of the para
 constexpr int64_t kPartialBudget = int64_t(1) << 23;  // partial values in all
 
 // The read-only inputs every kernel needs to form z[e, f] = x_src[j, f] + x_dst[i, f] + ep[e, f].
-template <typename scalar_t>
+template <typename scalar_t, typename index_t>
 struct Preact {
   using acc_t = at::opmath_type<scalar_t>;
   const scalar_t* __restrict__ xs;
@@ -53,18 +53,26 @@ struct Preact {
   const scalar_t* __restrict__ att;
   const scalar_t* __restrict__ ea;
   const scalar_t* __restrict__ w;
+  const index_t* __restrict__ rows;  // edge_attr_rows, or null: edge e reads row e
   int mode;  // Gatv2EdgeMode
-  int64_t H, C, HC, K;
+  int64_t H, C, HC, K, num_rows;
   acc_t slope;
 
+  // The row of edge_attr that edge e (a CSC position) reads.
+  __device__ __forceinline__ int64_t attr_row(int64_t e) const {
+    if (!rows) return e;
+    const int64_t r = rows[e];
+    CUDA_KERNEL_ASSERT(r >= 0 && r < num_rows && "edge_attr_rows: row out of range");
+    return r;
+  }
   __device__ __forceinline__ acc_t edge_term(int64_t e, int64_t f) const {
     if (mode == static_cast<int>(Gatv2EdgeMode::kProject)) {
       acc_t r = 0;
-      const scalar_t* er = ea + e * K;
+      const scalar_t* er = ea + attr_row(e) * K;
       for (int64_t k = 0; k < K; ++k) r += static_cast<acc_t>(er[k]) * static_cast<acc_t>(w[k * HC + f]);
       return r;
     }
-    if (mode == static_cast<int>(Gatv2EdgeMode::kDirect)) return static_cast<acc_t>(ea[e * HC + f]);
+    if (mode == static_cast<int>(Gatv2EdgeMode::kDirect)) return static_cast<acc_t>(ea[attr_row(e) * HC + f]);
     return acc_t(0);
   }
   __device__ __forceinline__ acc_t z(int64_t j, int64_t i, int64_t e, int64_t f) const {
@@ -100,8 +108,9 @@ struct Preact {
 // warp reductions are in flight together instead of one dependent chain per edge; the edges are
 // folded into the online softmax in the same order, so the results are the same bits as with 1.
 template <typename scalar_t, typename index_t, int kEdgeBatch>
-__global__ void gatv2_forward_kernel(Preact<scalar_t> P, const bool* __restrict__ mk, const index_t* __restrict__ ptr,
-                                     const index_t* __restrict__ idx, scalar_t* __restrict__ out,
+__global__ void gatv2_forward_kernel(Preact<scalar_t, index_t> P, const bool* __restrict__ mk,
+                                     const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
+                                     scalar_t* __restrict__ out,
                                      at::opmath_type<scalar_t>* __restrict__ lse, scalar_t* __restrict__ alpha,
                                      int64_t num_src, int64_t num_dst, int64_t E, int64_t n_cb,
                                      at::opmath_type<scalar_t> keep_scale) {
@@ -181,9 +190,9 @@ __global__ void gatv2_forward_kernel(Preact<scalar_t> P, const bool* __restrict_
 
 template <typename scalar_t, typename index_t>
 __global__ void gatv2_backward_dst_kernel(
-    Preact<scalar_t> P, const scalar_t* __restrict__ g, const scalar_t* __restrict__ ga, const scalar_t* __restrict__ o,
-    const at::opmath_type<scalar_t>* __restrict__ lse, const bool* __restrict__ mk, const index_t* __restrict__ ptr,
-    const index_t* __restrict__ idx, at::opmath_type<scalar_t>* __restrict__ ds_ws,
+    Preact<scalar_t, index_t> P, const scalar_t* __restrict__ g, const scalar_t* __restrict__ ga,
+    const scalar_t* __restrict__ o, const at::opmath_type<scalar_t>* __restrict__ lse, const bool* __restrict__ mk,
+    const index_t* __restrict__ ptr, const index_t* __restrict__ idx, at::opmath_type<scalar_t>* __restrict__ ds_ws,
     at::opmath_type<scalar_t>* __restrict__ aw_ws, scalar_t* __restrict__ gxd, scalar_t* __restrict__ gea_direct,
     int64_t num_src, int64_t num_dst, int64_t E, int64_t n_cb, at::opmath_type<scalar_t> keep_scale) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -237,7 +246,7 @@ __global__ void gatv2_backward_dst_kernel(
             const int64_t f = h * C + c;
             const acc_t dz = ds * static_cast<acc_t>(P.att[f]) * P.lrelu_grad(P.z(j, i, e, f));
             gacc[v] += dz;
-            if (gea_direct) gea_direct[e * HC + f] = static_cast<scalar_t>(dz);
+            if (gea_direct) gea_direct[P.attr_row(e) * HC + f] = static_cast<scalar_t>(dz);
           }
         }
       }
@@ -256,7 +265,8 @@ __global__ void gatv2_backward_dst_kernel(
 // per (chunk, 32 features, kEdgeDimBlock edge dims); lane = feature. Each partial element has
 // one owner, which sums its chunk's edges in edge order.
 template <typename scalar_t, typename index_t>
-__global__ void gatv2_backward_params_kernel(Preact<scalar_t> P, const at::opmath_type<scalar_t>* __restrict__ ds_ws,
+__global__ void gatv2_backward_params_kernel(Preact<scalar_t, index_t> P,
+                                             const at::opmath_type<scalar_t>* __restrict__ ds_ws,
                                              const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
                                              at::opmath_type<scalar_t>* __restrict__ patt,
                                              at::opmath_type<scalar_t>* __restrict__ pw, int64_t num_dst, int64_t E,
@@ -286,10 +296,11 @@ __global__ void gatv2_backward_params_kernel(Preact<scalar_t> P, const at::opmat
       if (want_att_here) att_acc += ds * P.lrelu(zv);
       if (pw) {
         const acc_t dz = ds * static_cast<acc_t>(P.att[f]) * P.lrelu_grad(zv);
+        const scalar_t* er = P.ea + P.attr_row(e) * K;
 #pragma unroll
         for (int r = 0; r < kEdgeDimBlock; ++r) {
           const int64_t k = kb * kEdgeDimBlock + r;
-          if (k < K) w_acc[r] += static_cast<acc_t>(P.ea[e * K + k]) * dz;
+          if (k < K) w_acc[r] += static_cast<acc_t>(er[k]) * dz;
         }
       }
     }
@@ -321,7 +332,8 @@ __global__ void sum_partials_kernel(const at::opmath_type<scalar_t>* __restrict_
 // destination over its edges; lane = k (blocks of 32 edge dims); dz of 32 features at a time,
 // one per lane, then handed round the warp by shuffles in a fixed order.
 template <typename scalar_t, typename index_t>
-__global__ void gatv2_backward_edge_kernel(Preact<scalar_t> P, const at::opmath_type<scalar_t>* __restrict__ ds_ws,
+__global__ void gatv2_backward_edge_kernel(Preact<scalar_t, index_t> P,
+                                           const at::opmath_type<scalar_t>* __restrict__ ds_ws,
                                            const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
                                            scalar_t* __restrict__ gea, int64_t num_dst, int64_t E) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -346,14 +358,14 @@ __global__ void gatv2_backward_edge_kernel(Preact<scalar_t> P, const at::opmath_
             if (k < K) acc += dzt * static_cast<acc_t>(P.w[k * HC + f0 + t]);
           }
         }
-        if (k < K) gea[e * K + k] = static_cast<scalar_t>(acc);
+        if (k < K) gea[P.attr_row(e) * K + k] = static_cast<scalar_t>(acc);
       }
     }
   }
 }
 
 template <typename scalar_t, typename index_t>
-__global__ void gatv2_backward_src_kernel(Preact<scalar_t> P, const scalar_t* __restrict__ g,
+__global__ void gatv2_backward_src_kernel(Preact<scalar_t, index_t> P, const scalar_t* __restrict__ g,
                                           const at::opmath_type<scalar_t>* __restrict__ ds_ws,
                                           const at::opmath_type<scalar_t>* __restrict__ aw_ws,
                                           const index_t* __restrict__ rptr, const index_t* __restrict__ redge,
@@ -380,14 +392,16 @@ __global__ void gatv2_backward_src_kernel(Preact<scalar_t> P, const scalar_t* __
   }
 }
 
-template <typename scalar_t>
-Preact<scalar_t> make_preact(const Gatv2ForwardArgs& a, double negative_slope) {
-  Preact<scalar_t> p;
+template <typename scalar_t, typename index_t>
+Preact<scalar_t, index_t> make_preact(const Gatv2ForwardArgs& a, double negative_slope) {
+  Preact<scalar_t, index_t> p;
   p.xs = a.x_src.data_ptr<scalar_t>();
   p.xd = a.x_dst.data_ptr<scalar_t>();
   p.att = a.att.data_ptr<scalar_t>();
   p.ea = ptr_or_null<scalar_t>(a.edge_attr);
   p.w = ptr_or_null<scalar_t>(a.edge_weight);
+  p.rows = ptr_or_null<index_t>(a.edge_attr_rows);
+  p.num_rows = a.edge_attr.defined() ? a.edge_attr.size(0) : 0;
   p.mode = static_cast<int>(a.edge_mode);
   p.H = a.x_src.size(1);
   p.C = a.x_src.size(2);
@@ -400,9 +414,10 @@ Preact<scalar_t> make_preact(const Gatv2ForwardArgs& a, double negative_slope) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cuda(
     const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att, const c10::optional<at::Tensor>& edge_attr,
     const c10::optional<at::Tensor>& edge_weight, const at::Tensor& indptr, const at::Tensor& indices,
-    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale, bool return_alpha) {
+    const c10::optional<at::Tensor>& dropout_mask, double negative_slope, double dropout_scale, bool return_alpha,
+    const c10::optional<at::Tensor>& edge_attr_rows) {
   const auto a = prepare_gatv2_forward(x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask,
-                                       dropout_scale);
+                                       dropout_scale, edge_attr_rows);
   const c10::cuda::CUDAGuard guard(a.x_src.device());
   at::Tensor out, lse, alpha;
   std::tie(out, lse, alpha) = allocate_gatv2_outputs(a, return_alpha);
@@ -417,8 +432,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cuda(
       auto kernel = cuda_forward_one_edge_at_a_time() ? gatv2_forward_kernel<scalar_t, index_t, 1>
                                                             : gatv2_forward_kernel<scalar_t, index_t, 2>;
       kernel<<<blocks, kThreads, 0, stream>>>(
-          make_preact<scalar_t>(a, negative_slope), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
-          a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+          make_preact<scalar_t, index_t>(a, negative_slope), ptr_or_null<bool>(a.dropout_mask),
+          a.indptr.data_ptr<index_t>(), a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
           return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, a.x_src.size(0), num_dst, a.indices.numel(), n_cb,
           static_cast<acc_t>(dropout_scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -433,10 +448,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
     const c10::optional<at::Tensor>& edge_attr, const c10::optional<at::Tensor>& edge_weight,
     const at::Tensor& indptr, const at::Tensor& indices, const at::Tensor& rev_indptr, const at::Tensor& rev_edge,
     const at::Tensor& rev_dst, const c10::optional<at::Tensor>& dropout_mask, double negative_slope,
-    double dropout_scale, std::array<bool, 5> output_mask) {
+    double dropout_scale, std::array<bool, 5> output_mask, const c10::optional<at::Tensor>& edge_attr_rows) {
   const auto b = prepare_gatv2_backward(grad_out, grad_alpha, out, lse, x_src, x_dst, att, edge_attr, edge_weight,
                                         indptr, indices, rev_indptr, rev_edge, rev_dst, dropout_mask, dropout_scale,
-                                        output_mask);
+                                        output_mask, edge_attr_rows);
   const auto& a = b.fwd;
   const c10::cuda::CUDAGuard guard(a.x_src.device());
   at::Tensor gxs, gxd, gatt, gea, gw;
@@ -445,7 +460,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
   const int64_t num_src = a.x_src.size(0), num_dst = a.x_dst.size(0), H = a.x_src.size(1), C = a.x_src.size(2);
   const int64_t HC = H * C, K = a.edge_dim, E = a.indices.numel();
   const bool project = a.edge_mode == Gatv2EdgeMode::kProject;
-  if (E == 0) {  // every gradient is zero (edge_attr's is empty)
+  if (E == 0) {  // every gradient is zero (edge_attr's is empty, or zeros: no edge reads a row)
     for (auto* t : {&gxs, &gxd, &gatt, &gw}) t->zero_();
     return {gxs, gxd, gatt, gea, gw};
   }
@@ -470,7 +485,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, a.x_src.scalar_type(), "gatv2_backward_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     AT_DISPATCH_INDEX_TYPES(a.indices.scalar_type(), "gatv2_backward_cuda_index", [&] {
-      const auto P = make_preact<scalar_t>(a, negative_slope);
+      const auto P = make_preact<scalar_t, index_t>(a, negative_slope);
       const index_t* ptr = a.indptr.data_ptr<index_t>();
       const index_t* idx = a.indices.data_ptr<index_t>();
       gatv2_backward_dst_kernel<scalar_t, index_t><<<warp_grid(num_dst * H * n_cb), kThreads, 0, stream>>>(

@@ -27,7 +27,7 @@ from .._segments import index_add_rows
 from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
-           "num_edges", "layer_edge_dim", "edge_attr_2d", "loop_edge_attr", "csc_edge_features", "EDGE_FEATURE_CACHE",
+           "num_edges", "layer_edge_dim", "edge_attr_2d", "loop_edge_attr", "layer_edge_features", "EDGE_FEATURE_CACHE",
            "attention_result", "needs_message_passing", "coalesced_adjacency", "FusedMessagePassing"]
 
 try:  # PyG >= 2.5
@@ -379,46 +379,50 @@ def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value) ->
     return compute_loop_attr(torch.stack([src, col]), edge_attr, num_loops + 1, False, fill_value)[:num_loops]
 
 
-def csc_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_loops: Optional[int],
-                      fill_value, dtype: torch.dtype, edge_dim: Optional[int] = None) -> Tensor:
-    """``[E', edge_dim]``: ``edge_attr`` (as :func:`edge_attr_2d` reads it, integers as
-    ``dtype``) followed by the added self-loops' features (:func:`loop_edge_attr`), in
-    ``graph``'s CSC order (``graph`` is :func:`csc_graph` of ``edge_index``).
+def layer_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_loops: Optional[int],
+                        fill_value, dtype: torch.dtype, edge_dim: Optional[int] = None) -> Tuple[Tensor, bool]:
+    """``(features [E', edge_dim], input_order)``: ``edge_attr`` (as :func:`edge_attr_2d` reads
+    it, integers as ``dtype``) followed by the added self-loops' features
+    (:func:`loop_edge_attr`), in ``graph``'s CSC order (``input_order`` False), or in the
+    processed input edge order that ``graph.perm`` reads (``input_order`` True; ``graph`` is
+    :func:`csc_graph` of ``edge_index``).
 
     Edge features that need no gradient are usually fixed data, passed again every step: the
-    result is then cached per ``edge_attr`` (one entry, keyed and invalidated like the CSC
-    conversion), so the loop features' reduction and the reordering (three passes over
-    ``E x edge_dim``) run once. Not cached under ``torch.compile`` or ``torch.jit.trace``,
-    inference mode (an inference tensor cannot be saved for a later backward), for an inference
-    tensor (no version counter), under torch.func transforms (of any input: what they compute is
-    their wrappers), with a Tensor ``fill_value``, or where the result is ``edge_attr``'s own
-    memory (nothing to save)."""
-    def build():  # (a cache hit's edge_attr was read and checked when its entry was built)
+    result is then reordered once and cached per ``edge_attr`` (one entry, keyed and invalidated
+    like the CSC conversion), so the loop features' reduction and the reordering (three passes
+    over ``E x edge_dim``) run once, and the kernels read the features in order. Otherwise they
+    are left in input order, for the kernels to read through ``graph.perm`` (no reordered copy,
+    and their gradient written in place). Not cached under ``torch.compile`` or
+    ``torch.jit.trace``, inference mode (an inference tensor cannot be saved for a later
+    backward), for an inference tensor (no version counter), under torch.func transforms (of
+    any input: what they compute is their wrappers), with a Tensor ``fill_value``, or where the
+    input is already in CSC order with nothing added (nothing to save)."""
+    def full_features():
         ea = edge_attr_2d(edge_attr, edge_index, dtype)  # (its width is checked below, once)
-        full = ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
-        return graph.edge_order(full)
+        return ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
 
     _check_edge_attr(edge_attr, edge_dim)  # (before the cache: a hit must not skip it)
     if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch.is_inference_mode_enabled()
             or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)
             or torch._C._are_functorch_transforms_active()):  # (its results are the transforms' wrappers)
-        return build()
+        return full_features(), graph.perm is not None
     if graph.perm is None and num_loops is None and (edge_attr.is_floating_point() or edge_attr.is_complex()):
         # already in CSC order and nothing added: the features as they are (a view of
         # ``edge_attr``, which an entry would keep alive from its own value: a leak per batch).
         # Every other case below builds a new tensor (reordered, extended or cast).
-        return build()
+        return full_features(), False
     hit = EDGE_FEATURE_CACHE.get(edge_attr)
     version = (_version(edge_attr), _feature_key(edge_attr))
     if hit is not None:
         v, graph_ref, loops, fill, dt, ordered = hit
         # dtype too: integer features are cast to it, and the loops' features computed in it
         if v == version and graph_ref() is graph and loops == num_loops and fill == fill_value and dt == dtype:
-            return ordered
-    ordered = build()
+            return ordered, False
+    # (a cache hit's edge_attr was read and checked when its entry was built)
+    ordered = graph.edge_order(full_features())
     EDGE_FEATURE_CACHE[edge_attr] = (version, weakref.ref(graph), num_loops, fill_value, dtype, ordered)
-    return ordered
+    return ordered, False
 
 
 def attention_result(edge_index, alpha: Tensor, num_loops: Optional[int]):

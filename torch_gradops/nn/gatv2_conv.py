@@ -10,7 +10,7 @@ from torch_geometric.nn.conv import GATv2Conv as PyGGATv2Conv
 
 from ..gatv2 import _check_inputs, _gatv2_attention_csc
 from ..graph import BipartiteCSC, _append_zero_row
-from .adjacency import (FusedMessagePassing, attention_result, coalesced_adjacency, csc_edge_features, csc_graph,
+from .adjacency import (FusedMessagePassing, attention_result, coalesced_adjacency, csc_graph, layer_edge_features,
                         layer_edge_dim, needs_message_passing, propagate_sizes)
 
 __all__ = ["GATv2Conv"]
@@ -54,8 +54,8 @@ class GATv2Conv(FusedMessagePassing, PyGGATv2Conv):
         num_dst, num_loops = propagate_sizes(edge_index, x_l.size(0), x_r.size(0), None, self.add_self_loops,
                                              self.edge_dim)
         graph = csc_graph(edge_index, x_l.size(0), num_dst, num_loops)
-        edge_feats = self._edge_features(edge_attr, edge_index, graph, num_loops)
-        out, alpha = self._attend(x_l, x_r, edge_feats, graph, num_dst, bool(return_attention_weights))
+        edge_feats, input_order = self._edge_features(edge_attr, edge_index, graph, num_loops)
+        out, alpha = self._attend(x_l, x_r, edge_feats, input_order, graph, num_dst, bool(return_attention_weights))
         out = self._finish(out, res)
         if return_attention_weights:
             return out, attention_result(edge_index, alpha.to(out.dtype), num_loops)
@@ -78,17 +78,18 @@ class GATv2Conv(FusedMessagePassing, PyGGATv2Conv):
         return self.lin_l(x_l).view(-1, H, C), self.lin_r(x_r).view(-1, H, C), res
 
     def _edge_features(self, edge_attr: Optional[Tensor], edge_index, graph: BipartiteCSC,
-                       num_loops: Optional[int]) -> Optional[Tensor]:
-        """``[E (+ loops), edge_dim]`` in CSC order: the raw edge features, the added loops' by
-        ``fill_value`` (``lin_edge`` is applied inside the kernel)."""
+                       num_loops: Optional[int]) -> Tuple[Optional[Tensor], bool]:
+        """``([E (+ loops), edge_dim], input_order)``: the raw edge features, the added loops' by
+        ``fill_value`` (``lin_edge`` is applied inside the kernel), in CSC order or in the input
+        order that ``graph.perm`` reads (:func:`~torch_gradops.nn.adjacency.layer_edge_features`)."""
         if edge_attr is None:
-            return None
+            return None, False
         assert self.lin_edge is not None, "edge_attr was given but the layer has no edge_dim"
-        return csc_edge_features(edge_attr, edge_index, graph, num_loops, self.fill_value, self.lin_edge.weight.dtype,
-                                 layer_edge_dim(self))
+        return layer_edge_features(edge_attr, edge_index, graph, num_loops, self.fill_value,
+                                   self.lin_edge.weight.dtype, layer_edge_dim(self))
 
-    def _attend(self, x_l: Tensor, x_r: Tensor, edge_feats: Optional[Tensor], graph: BipartiteCSC,
-                num_dst: int, want_alpha: bool):
+    def _attend(self, x_l: Tensor, x_r: Tensor, edge_feats: Optional[Tensor], input_order: bool,
+                graph: BipartiteCSC, num_dst: int, want_alpha: bool):
         """The fused op in the projected features' dtype (autocast-aware): ``(out [N_t, H, C],
         alpha [E', H] or None)``, with the trash row of the input's own self-loops (built under
         torch.compile only, see :func:`~torch_gradops.graph.csc_from_edges`) dropped."""
@@ -107,9 +108,9 @@ class GATv2Conv(FusedMessagePassing, PyGGATv2Conv):
         drop_all = p >= 1.0  # F.dropout(p=1) zeroes everything; the kernel takes p < 1
         x_l, x_r, att = x_l.contiguous(), x_r.to(dtype).contiguous(), self.att.view(H, C).to(dtype)
         p = 0.0 if drop_all else p
-        _check_inputs(x_l, x_r, att, graph, edge_feats, weight, p, csc_order=True)
+        _check_inputs(x_l, x_r, att, graph, edge_feats, weight, p, csc_order=not input_order)
         result = _gatv2_attention_csc(x_l, x_r, att, graph, self.negative_slope, edge_feats, weight, p,
-                                      self.training, want_alpha)
+                                      self.training, want_alpha, input_order=input_order)
         out, alpha = result if want_alpha else (result, None)
         if graph.num_dst == num_dst + 1:
             # split, not a slice: its backward pads the gradient in one pass (a slice's zero-fills
