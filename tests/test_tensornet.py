@@ -3254,3 +3254,27 @@ def test_a_percent_memory_limit_keys_plans_by_device(monkeypatch):
     q0 = tn.plan("ab,bc->ac", *shapes, dtype=torch.float32, memory_limit="1MiB", device="cuda:0")
     assert q0 is tn.plan("ab,bc->ac", *shapes, dtype=torch.float32, memory_limit="1MiB", device="cuda:1")
     tn.clear_plan_cache()
+
+
+def test_optimize_true_and_false_as_opt_einsum_takes_them():
+    """optimize=True is "auto"; optimize=False contracts the operands left to right with no
+    search (opt_einsum's meanings), against torch.einsum and opt_einsum's own False path; the
+    plan cache keeps True/False apart from 1/0, which are refused."""
+    import opt_einsum
+    g = torch.Generator().manual_seed(0)
+    expr = "ab,bc,cd,de->ae"
+    ops = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((3, 40), (40, 2), (2, 50), (50, 4))]
+    ref = torch.einsum(expr, *ops)
+    auto, left = tn.plan(expr, *ops, optimize=True), tn.plan(expr, *ops, optimize=False)
+    assert auto.path == tn.plan(expr, *ops).path
+    assert left.optimizer == "left-to-right"
+    assert left.path == [(0, 1), (0, 2), (0, 1)]  # ((AB)C)D in linear form
+    oe_path = opt_einsum.contract_path(expr, *[o.numpy() for o in ops], optimize=False)[0]
+    assert tn.plan(expr, *ops, optimize=oe_path).path == left.path
+    assert left.flops > auto.flops  # the order matters for this chain
+    for p in (auto, left):
+        torch.testing.assert_close(p.contract(*ops), ref)
+    torch.testing.assert_close(tn.contract(expr, *ops, optimize=False), ref)
+    for bad in (1, 0):
+        with pytest.raises(ValueError, match="optimize must be"):
+            tn.plan(expr, *ops, optimize=bad)

@@ -38,6 +38,8 @@ def clear_plan_cache() -> None:
 
 
 def _freeze(x):
+    if isinstance(x, bool):  # apart from 1 and 0, which hash and compare equal to them
+        return ("bool", x)
     if isinstance(x, numbers.Real) and not isinstance(x, (bool, int, float)):  # numpy scalars
         return int(x) if isinstance(x, numbers.Integral) else float(x)  # (Dynamo cannot hash them)
     if isinstance(x, (list, tuple)):
@@ -92,8 +94,9 @@ def plan(expr, *operands_or_shapes, dtype: Optional[torch.dtype] = None, memory_
     ``optimize``: "auto" (opt_einsum's exact or branch-and-bound search up to 8 operands, else a
     seeded cotengra hyper-search with cotengra's slicing, scored by the executor's forward +
     backward cost; deterministic), "greedy" (fast), "optimal", "cotengra" (the hyper-search at
-    any size), any opt_einsum path-optimizer name, a cotengra optimizer object, or an explicit
-    path. ``path_cache``: a directory for an on-disk cache of searched paths (default:
+    any size), any opt_einsum path-optimizer name, a cotengra optimizer object, an explicit
+    path, or, as opt_einsum takes them, ``True`` ("auto") and ``False`` (the operands left to
+    right, no search). ``path_cache``: a directory for an on-disk cache of searched paths (default:
     ``$TORCH_GRADOPS_PATH_CACHE``, else none), so a new process does not search again.
     ``slicing``: a list of modes to slice, or ``{"min_slices": k, "modes": [...]}``; a
     :class:`~.parser.ModeChunks` (``tn.ModeChunks(label, chunks)``, as

@@ -563,9 +563,10 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
               cache_key=(), flops_per_mac: float = 2.0, write_macs: float = 0.0) -> PathResult:
     """The path for the network ``inputs -> output`` (mode ids, extents ``sizes``).
 
-    ``optimize``: "auto" (see the module docstring), "greedy" (opt_einsum's, fast), "optimal",
-    any opt_einsum path-optimizer name, "cotengra" (the "auto" hyper-search at any size), a
-    cotengra optimizer object, or an explicit path. ``objective``: ``tree -> work`` for
+    ``optimize``: "auto" (see the module docstring; also ``True``), "greedy" (opt_einsum's,
+    fast), "optimal", any opt_einsum path-optimizer name, "cotengra" (the "auto" hyper-search at
+    any size), a cotengra optimizer object, an explicit path, or ``False`` (the operands left to
+    right, as opt_einsum takes it). ``objective``: ``tree -> work`` for
     :class:`PlanObjective`; ``select``: ``tree -> work``, exact (after any further slicing),
     to choose between the searches' best trees; ``path_work``: ``path -> work`` (multiply-adds
     of the forward + backward, sliced to the limit), which sizes "auto"'s search budget under a
@@ -581,6 +582,10 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
     n = len(inputs)
     if n == 1:
         return PathResult([], None, "single", False)
+    if optimize is True:  # opt_einsum's (and numpy's) spelling of "optimise": ours is "auto"
+        optimize = "auto"
+    elif optimize is False:  # no optimisation: the operands left to right, as opt_einsum does then
+        return PathResult(check_path([tuple(range(n))], n), None, "left-to-right", False)
     slices = limit_elems is not None or bool(min_slices)  # whether the search's trials slice
     if isinstance(optimize, str):
         name = optimize
@@ -653,7 +658,8 @@ def find_path(inputs, output, sizes, optimize, limit_elems: Optional[int], min_s
         return PathResult(check_path(path, n), None, type(optimize).__name__, True, time.perf_counter() - t0)
     if isinstance(optimize, (list, tuple)):
         return PathResult(check_path(optimize, n), None, "explicit", False)
-    raise ValueError(f"optimize must be 'auto', 'greedy', 'optimal', 'cotengra' or an explicit path, got {optimize!r}")
+    raise ValueError(f"optimize must be 'auto', 'greedy', 'optimal', 'cotengra', True, False or an explicit path, "
+                     f"got {optimize!r}")
 
 
 def check_path(path, n) -> List[Tuple[int, int]]:
