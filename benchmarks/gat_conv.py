@@ -66,6 +66,8 @@ def worker(args) -> dict:
                                          by_degree=args.graph == "powerlaw-by-degree").to(dev)
     edge_dim = args.edge_dim or None
     edge_attr = torch.randn(args.edges, edge_dim, generator=g).to(dev) if edge_dim else None
+    if edge_attr is not None and args.edge_attr_grad:  # learned edge features: their gradient too
+        edge_attr.requires_grad_()
     torch.manual_seed(0)
     layer = cls(args.f_in, args.channels, heads=args.heads, edge_dim=edge_dim).to(dev)
 
@@ -79,6 +81,8 @@ def worker(args) -> dict:
                 layer(x, edge_index, edge_attr)
         else:
             layer.zero_grad(set_to_none=True)
+            if edge_attr is not None:
+                edge_attr.grad = None
             layer(x, edge_index, edge_attr).sum().backward()
         sync()
 
@@ -104,7 +108,8 @@ def run_config(impl, mode, nodes, edges, edge_dim, a) -> dict:
                       ["--impl", impl, "--mode", mode, "--nodes", str(nodes), "--edges", str(edges),
                        "--layer", a.layer, "--edge-dim", str(edge_dim), "--graph", a.graph,
                        "--device", a.device, "--threads", str(a.threads), "--repeats", str(a.repeats),
-                       "--f-in", str(a.f_in), "--heads", str(a.heads), "--channels", str(a.channels)],
+                       "--f-in", str(a.f_in), "--heads", str(a.heads), "--channels", str(a.channels)]
+                      + (["--edge-attr-grad"] if a.edge_attr_grad else []),
                       timeout=a.timeout, env={"OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)})
 
 
@@ -136,6 +141,9 @@ def main():
                    help="uniform random edges; power-law in- and out-degrees (torch_gradops.testing."
                         "powerlaw_edge_index, exponent 2.1) with shuffled ids, or with ids numbered by degree")
     p.add_argument("--timeout", type=int, default=900)
+    p.add_argument("--edge-attr-grad", action="store_true",
+                   help="edge_attr requires a gradient (learned edge features): not cached in CSC order, and "
+                        "forward+backward also computes its gradient")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     if a.worker:
@@ -200,12 +208,13 @@ def main():
                      "(projections, self-loops, attention, aggregation, bias)",
         "machine": info,
         "layer": {"class": layer_name, "in_channels": a.f_in, "out_channels": a.channels, "heads": a.heads,
-                  "edge_dims": edge_dims, "add_self_loops": True, "graph": GRAPH_TEXT[a.graph]},
+                  "edge_dims": edge_dims, "add_self_loops": True, "graph": GRAPH_TEXT[a.graph],
+                  "edge_attr_requires_grad": bool(a.edge_attr_grad)},
         "method": {
             "process": "each (size, implementation, mode) in a fresh Python subprocess",
             "timing": f"median of {a.repeats} runs after 1 warm-up run (ours' cached CSC conversion "
                       "happens in the warm-up); fwd under torch.no_grad(), fwd+bwd = forward + "
-                      "out.sum().backward() into the parameters",
+                      "out.sum().backward() into the parameters (and edge_attr with --edge-attr-grad)",
             "cpu_time": "median_cpu_s: the process's CPU time (user+sys, all threads) per run; "
                         "speedup_cpu_time compares those, a view less sensitive to the process being "
                         "descheduled by other jobs (it still feels their memory-bandwidth load)",

@@ -46,7 +46,7 @@ void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, 
                 x_src.scalar_type(), "), got ", ea.scalar_type());
     check_same_device(x_src, "x_src", ea, "edge_attr");
     // Its rows: one per CSC position, or any number read through edge_attr_rows.
-    const int64_t rows = edge_attr_rows.has_value() ? ea.size(0) : E;
+    const int64_t rows = edge_attr_rows.has_value() && ea.dim() > 0 ? ea.size(0) : E;
     if (edge_weight.has_value()) {
       check_dim(ea, 2, "edge_attr (with edge_weight)");
       TORCH_CHECK(edge_attr_rows.has_value() || ea.size(0) == E, "edge_attr must have one row per edge (", E,
@@ -148,7 +148,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_
   const auto& f = a.fwd;
   auto empty = [&] { return f.x_src.new_empty({0}); };
   // Every row is written once when each is read once; read through edge_attr_rows with other
-  // row counts, some are read by no edge and get zeros. (Rows read twice: see the kernels.)
+  // row counts, some are read by no edge and get zeros. (Rows named twice are refused where the
+  // gradient is wanted: the CPU backward checks on the host, the CUDA one asserts on the device.)
   auto edge_attr_grad = [&] {
     const bool all_written = !f.edge_attr_rows.defined() || f.edge_attr.size(0) == f.indices.numel();
     return all_written ? at::empty_like(f.edge_attr) : at::zeros_like(f.edge_attr);

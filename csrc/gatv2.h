@@ -37,7 +37,7 @@ void check_gatv2_forward_args(const at::Tensor& x_src, const at::Tensor& x_dst, 
 struct Gatv2ForwardArgs {
   at::Tensor x_src, x_dst, att, edge_attr, edge_weight, indptr, indices, dropout_mask, edge_attr_rows;
   Gatv2EdgeMode edge_mode = Gatv2EdgeMode::kNone;
-  int64_t edge_dim = 0;  // K of edge_attr [E, K] in kProject mode, else 0
+  int64_t edge_dim = 0;  // K of edge_attr [R, K] in kProject mode, else 0
 };
 Gatv2ForwardArgs prepare_gatv2_forward(const at::Tensor& x_src, const at::Tensor& x_dst, const at::Tensor& att,
                                        const c10::optional<at::Tensor>& edge_attr,

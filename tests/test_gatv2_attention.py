@@ -980,3 +980,23 @@ def test_source_pass_setting_takes_effect(monkeypatch):
     assert not torch.equal(rev[0], sca[0])
     torch.testing.assert_close(rev[0], sca[0], atol=1e-5, rtol=1e-5)
     assert all(torch.equal(a, b) for a, b in zip(rev[1:], sca[1:]))
+
+
+def test_repeated_rows_sum_in_the_differentiable_backward():
+    """Rows named twice (a direct caller's edge_attr_rows, not a graph's perm) are refused by the
+    fused CPU backward, and the differentiable backward (create_graph) sums the positions that
+    read a row, as index_select's adjoint does."""
+    graph, (x, xd, att, ea, w), rows, _ = _rows_case("project", torch.float64, torch.int64, "cpu", 3)
+    twice = rows.clone()
+    twice[1] = twice[0]
+    rev = graph.reverse_index()
+    ea = ea.detach().requires_grad_()
+    tail = (graph.indptr, graph.indices, rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0, False)
+    out = tg.GATv2AttentionFunction.apply(x, xd, att, ea, w, *tail, twice)[0]
+    go = torch.randn_like(out)
+    g = torch.autograd.grad(out, ea, go, create_graph=True)[0]
+    ref_out = tg.GATv2AttentionFunction.apply(x, xd, att, ea.index_select(0, twice), w, *tail)[0]
+    ref = torch.autograd.grad(ref_out, ea, go)[0]
+    torch.testing.assert_close(g, ref)
+    with pytest.raises(RuntimeError, match="appears twice"):
+        torch.autograd.grad(tg.GATv2AttentionFunction.apply(x, xd, att, ea, w, *tail, twice)[0], ea, go)

@@ -319,10 +319,12 @@ def _csc_edge_attr(edge_attr, rows):
 
 def _rows_grad(grad, rows, num_rows: int):
     """A CSC-order gradient of ``edge_attr`` in ``edge_attr``'s own rows (``num_rows`` of them;
-    zeros for the rows no edge reads), differentiably: :func:`_csc_edge_attr`'s adjoint."""
+    zeros for the rows no edge reads), differentiably: :func:`_csc_edge_attr`'s adjoint, a sum
+    over the positions that read a row (one each for a graph's perm, so exact and
+    deterministic)."""
     if grad is None or rows is None:
         return grad
-    return grad.new_zeros((num_rows,) + tuple(grad.shape[1:])).index_copy(0, rows.long(), grad)
+    return grad.new_zeros((num_rows,) + tuple(grad.shape[1:])).index_add(0, rows.long(), grad)
 
 
 def _wanted_grads(ctx, grad_out, grad_alpha, out):

@@ -464,6 +464,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
     for (auto* t : {&gxs, &gxd, &gatt, &gw}) t->zero_();
     return {gxs, gxd, gatt, gea, gw};
   }
+  if (b.want_edge_attr && a.edge_attr_rows.defined()) {
+    // Each row named at most once (the CPU backward raises): two edges writing one gradient row
+    // would race, and with R == E a row named by none would stay uninitialised. Checked on the
+    // device, without a synchronisation, like the kernels' other index checks.
+    at::Tensor counts = at::zeros({a.edge_attr.size(0)}, a.indices.options().dtype(at::kInt));
+    counts.index_add_(0, a.edge_attr_rows, at::ones({E}, counts.options()));
+    at::_assert_async(counts.max() <= 1,
+                      "edge_attr_rows must name distinct rows of edge_attr when its gradient is wanted");
+  }
   // Shape limits are checked before any launch.
   const dim3 src_block = feature_block(HC);
   const dim3 src_grid = feature_grid(num_src, HC, src_block);
