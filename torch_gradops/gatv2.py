@@ -317,14 +317,13 @@ def _csc_edge_attr(edge_attr, rows):
     return edge_attr if edge_attr is None or rows is None else edge_attr.index_select(0, rows)
 
 
-def _rows_grad(grad, rows, num_rows: int):
-    """A CSC-order gradient of ``edge_attr`` in ``edge_attr``'s own rows (``num_rows`` of them;
-    zeros for the rows no edge reads), differentiably: :func:`_csc_edge_attr`'s adjoint, a sum
-    over the positions that read a row (one each for a graph's perm, so exact and
-    deterministic)."""
+def _rows_grad(grad, rows, edge_attr):
+    """A CSC-order gradient of ``edge_attr`` in ``edge_attr``'s own rows (zeros for the rows no
+    edge reads), differentiably: :func:`_csc_edge_attr`'s adjoint, a sum over the positions that
+    read a row (one each for a graph's perm, so exact and deterministic)."""
     if grad is None or rows is None:
         return grad
-    return grad.new_zeros((num_rows,) + tuple(grad.shape[1:])).index_add(0, rows.long(), grad)
+    return grad.new_zeros((edge_attr.size(0),) + tuple(grad.shape[1:])).index_add(0, rows.long(), grad)
 
 
 def _wanted_grads(ctx, grad_out, grad_alpha, out):
@@ -408,8 +407,7 @@ class _GATv2AttentionFirstOrder(torch.autograd.Function):
                 grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, ea, edge_weight,
                                                   indices.long(), dst, x_dst.size(0), dropout_mask,
                                                   ctx.negative_slope, ctx.dropout_scale, needs)
-            if edge_attr is not None:
-                grads[3] = _rows_grad(grads[3], rows, edge_attr.size(0))
+            grads[3] = _rows_grad(grads[3], rows, edge_attr)
             return tuple(grads) + none_rest
 
         if not ctx.has_rev:
@@ -448,8 +446,7 @@ def _gatv2_forward_backward(ctx, grad_out, grad_lse, grad_alpha):
         grads = _gatv2_backward_composite(grad_out, grad_alpha, x_src, x_dst, att, _csc_edge_attr(edge_attr, rows),
                                           edge_weight, indices.long(), dst, x_dst.size(0), dropout_mask,
                                           ctx.negative_slope, ctx.dropout_scale, needs)
-        if edge_attr is not None:
-            grads[3] = _rows_grad(grads[3], rows, edge_attr.size(0))
+        grads[3] = _rows_grad(grads[3], rows, edge_attr)
         return tuple(grads) + rest
     # No graph object here: build the reverse index as BipartiteCSC does.
     edges = _Edges.of(BipartiteCSC(indptr, indices, x_src.size(0), validate=False))

@@ -204,15 +204,16 @@ class EdgeProjector {
         const TE* src = ea_ + attr_row(edge(p)) * K_;
         for (int64_t k = 0; k < K_; ++k) dst[k] = static_cast<acc_t>(src[k]);
       }
-      // The next tile's rows, which read through edge_of or rows are scattered: a cache miss
-      // each, overlapped with this tile's work instead of stalling its start.
-      const int64_t row_bytes = K_ * static_cast<int64_t>(sizeof(TE));
-      for (int64_t p = t0 + kTile; p < std::min(t0 + 2 * kTile, n_); ++p) {
-        const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[p]) : p;
-        const int64_t r = e >= 0 && e < E_ && rows_ ? static_cast<int64_t>(rows_[e]) : e;
-        if (e < 0 || e >= E_ || r < 0 || r >= num_rows_) continue;  // (reported when read)
-        const char* line = reinterpret_cast<const char*>(ea_ + r * K_);
-        for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
+      // The next tile's rows, when scattered: a cache miss each, overlapped with this tile's
+      // work instead of stalling its start.
+      if (scattered()) {
+        const int64_t row_bytes = K_ * static_cast<int64_t>(sizeof(TE));
+        for (int64_t p = t0 + kTile; p < t0 + 2 * kTile; ++p) {
+          const int64_t r = row_or_none(p);
+          if (r < 0) continue;
+          const char* line = reinterpret_cast<const char*>(ea_ + r * K_);
+          for (int64_t off = 0; off < row_bytes; off += 64) __builtin_prefetch(line + off);
+        }
       }
       project_tile(P_.data(), eab_.data(), w_, K_, HC_);
       tile0_ = t0;
@@ -220,14 +221,12 @@ class EdgeProjector {
     return P_.data() + (pos - t0) * HC_;
   }
 
-  // kDirect mode, edge_attr read through rows: prefetch position pos's row (scattered, unlike the
-  // rows read in CSC order, which the hardware prefetcher follows).
+  // kDirect mode: prefetch position pos's row when the rows are scattered (read in CSC order,
+  // the hardware prefetcher follows them).
   void prefetch_direct(int64_t pos) const {
-    if (mode_ != Gatv2EdgeMode::kDirect || !rows_ || pos >= n_) return;
-    const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[pos]) : pos;
-    if (e < 0 || e >= E_) return;
-    const int64_t r = rows_[e];
-    if (r >= 0 && r < num_rows_) cpu::prefetch_row(ea_ + r * HC_, HC_);
+    if (mode_ != Gatv2EdgeMode::kDirect || !scattered()) return;
+    const int64_t r = row_or_none(pos);
+    if (r >= 0) cpu::prefetch_row(ea_ + r * HC_, HC_);
   }
 
   // The row of edge_attr that edge e (a CSC position) reads.
@@ -239,6 +238,19 @@ class EdgeProjector {
   }
 
  private:
+  // Whether the rows are read out of order (through edge_of or rows).
+  bool scattered() const { return edge_of_ || rows_; }
+
+  // The row of edge_attr that position pos reads, or -1 past the end or where an index is out of
+  // range (the reads report those): for prefetches.
+  int64_t row_or_none(int64_t pos) const {
+    if (pos >= n_) return -1;
+    const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[pos]) : pos;
+    if (e < 0 || e >= E_) return -1;
+    const int64_t r = rows_ ? static_cast<int64_t>(rows_[e]) : e;
+    return r >= 0 && r < num_rows_ ? r : -1;
+  }
+
   int64_t edge(int64_t pos) const {
     const int64_t e = edge_of_ ? static_cast<int64_t>(edge_of_[pos]) : pos;
     TORCH_CHECK(e >= 0 && e < E_, "reverse index entry out of range");
@@ -963,9 +975,8 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             if (en >= 0 && en < E) {
               __builtin_prefetch(ds_ws + en * H);
               __builtin_prefetch(aw_ws + en * H);
-              const int64_t rn = ea_rows ? static_cast<int64_t>(ea_rows[en]) : en;
-              if (mode == Gatv2EdgeMode::kDirect && rn >= 0 && rn < num_rows) prefetch_row(ea + rn * HC, HC);
             }
+            proj.prefetch_direct(k + kPrefetchDistance);
           }
           for (int64_t h = 0; h < H; ++h) {
             aw[h] = aw_ws[e * H + h];
