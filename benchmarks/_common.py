@@ -19,6 +19,16 @@ __all__ = ["PeakMemory", "machine_info", "matmul_flops_per_s", "median_time", "r
            "format_bytes"]
 
 
+def _sysfs_choice(path: str):
+    """The bracketed choice of a sysfs setting such as ``always [madvise] never``, or None."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else text.strip()
+
+
 def machine_info(device: str) -> dict:
     cpu = platform.processor()
     try:
@@ -30,7 +40,11 @@ def machine_info(device: str) -> dict:
             "torch": torch.__version__, "python": platform.python_version(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "device": device, "platform": platform.platform(), "load_average_1min": os.getloadavg()[0],
-            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            # PyTorch's CPU allocator asks for 2 MiB pages for large tensors when this is "1"
+            # (honoured when the kernel's transparent_hugepage mode is madvise or always)
+            "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE"),
+            "transparent_hugepage": _sysfs_choice("/sys/kernel/mm/transparent_hugepage/enabled")}
     if device.startswith("cuda") and torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         info.update(gpu=props.name, gpu_memory_gib=round(props.total_memory / 2**30, 1),

@@ -352,6 +352,58 @@ def test_sliced_equals_unsliced_and_groups_sum_to_whole():
     assert len(idx) == len(p.sliced_modes)
 
 
+def test_contract_out():
+    """tn.contract(out=) as torch.einsum and opt_einsum take it: the result written into out and
+    out returned, for the string and interleaved forms, sliced plans and slice groups; float32
+    out for float16 operands takes the sum unrounded; shape, dtype, process_group and autograd
+    misuse refused with the argument named."""
+    gen = torch.Generator().manual_seed(5)
+    expr = "ab,bc,cd->ad"
+    ops = [_rand((6, 5), gen=gen), _rand((5, 7), gen=gen), _rand((7, 4), gen=gen)]
+    want = torch.einsum(expr, *ops)
+    buf = torch.full((6, 4), float("nan"), dtype=F64)
+    got = tn.contract(expr, *ops, out=buf)
+    assert got is buf
+    _close(buf, want)
+    # interleaved form, a sliced plan, a slice group
+    buf2 = torch.empty(6, 4, dtype=F64)
+    assert tn.contract(ops[0], [0, 1], ops[1], [1, 2], ops[2], [2, 3], [0, 3], out=buf2) is buf2
+    _close(buf2, want)
+    p = tn.plan(expr, *ops, slicing={"min_slices": 4})
+    assert p.num_slices >= 4
+    tn.contract(expr, *ops, plan=p, out=buf)
+    _close(buf, want)
+    tn.contract(expr, *ops, plan=p, slices=[0], out=buf)
+    _close(buf, p.contract(*ops, slices=[0]))
+    # a scalar result
+    s = torch.empty((), dtype=F64)
+    tn.contract("ab,ab->", ops[0], ops[0], out=s)
+    _close(s, (ops[0] * ops[0]).sum())
+    # float16 operands: float16 out, or float32 out holding the unrounded sum
+    h = [op.half() for op in ops]
+    out16, out32 = torch.empty(6, 4, dtype=torch.float16), torch.empty(6, 4, dtype=torch.float32)
+    tn.contract(expr, *h, out=out16)
+    tn.contract(expr, *h, out=out32)
+    ref = torch.einsum(expr, *[t.double() for t in h])
+    torch.testing.assert_close(out32.double(), ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(out16.double(), ref, rtol=2e-2, atol=2e-2)
+    # misuse
+    with pytest.raises(ValueError, match="out has shape"):
+        tn.contract(expr, *ops, out=torch.empty(4, 6, dtype=F64))
+    with pytest.raises(TypeError, match="out must have the result's dtype"):
+        tn.contract(expr, *ops, out=torch.empty(6, 4, dtype=torch.float32))
+    with pytest.raises(TypeError, match="out must be a tensor"):
+        tn.contract(expr, *ops, out=[[0.0] * 4] * 6)
+    with pytest.raises(ValueError, match="out and process_group"):
+        tn.contract(expr, *ops, out=buf, process_group=object())
+    leaf = ops[0].clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="out=.*not differentiable"):
+        tn.contract(expr, leaf, ops[1], ops[2], out=buf)
+    with torch.no_grad():
+        tn.contract(expr, leaf, ops[1], ops[2], out=buf)
+    _close(buf, want)
+
+
 def test_modes_sliced_in_chunks():
     """Where a limit needs an intermediate only halved, the slicer slices a mode in ranges (2
     chunks of 8) instead of index by index (16 slices): values, gradients, slice groups and

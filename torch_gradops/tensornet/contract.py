@@ -222,7 +222,7 @@ def register_process_group_runner(runner: Callable) -> None:
 
 def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=None,
              plan: Optional[ContractionPlan] = None, progress: bool = False, process_group=None,
-             path_cache=None, max_overhead=1e4) -> torch.Tensor:
+             path_cache=None, max_overhead=1e4, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Contract a tensor network, differentiably.
 
     ``contract("ab,bc->ac", a, b)`` or ``contract(a, [0, 1], b, [1, 2], [0, 2])``. Options as
@@ -230,14 +230,25 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
     ids: their partial sum, or their output blocks for sliced output modes); ``plan``: use this
     plan instead of looking one up; ``progress``: a tqdm bar over slices; ``process_group``: a
     ``torch.distributed`` group whose ranks share the slices (see
-    :func:`torch_gradops.distributed.contract`; every rank gets the full result).
+    :func:`torch_gradops.distributed.contract`; every rank gets the full result); ``out``: a
+    tensor of the result's shape to write the result into and return, as ``torch.einsum`` and
+    opt_einsum take it (the result's dtype or, for float16/bfloat16 operands, float32, which
+    takes the sum over slices unrounded; as there, not differentiable: refused while an operand
+    requires grad under grad mode).
     Returns a tensor with one dimension per output mode (0-dim for a scalar).
 
     Under ``torch.autocast`` the float16/bfloat16/float32 operands are cast to autocast's dtype
     first, as torch.einsum's are (:func:`~.parser.autocast_operands`), and the result has that
     dtype. Sums over slices run in float32 for float16/bfloat16 operands.
     """
-    args = parser.autocast_operands(args)
+    if out is not None:
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"out must be a tensor or None, got {type(out).__name__}")
+        if process_group is not None:
+            raise ValueError("out and process_group cannot be combined: every rank gets the full result "
+                             "(copy it into out)")
+    else:
+        args = parser.autocast_operands(args)
     plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan,
                              path_cache=path_cache, max_overhead=max_overhead)
     if process_group is not None:
@@ -246,4 +257,8 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
         if _process_group_runner is None:
             raise RuntimeError("contract(process_group=...) needs torch_gradops.distributed; import it first")
         return _process_group_runner(plan, operands, process_group, progress=progress)
-    return plan.contract(*operands, slices=slices, progress=progress)
+    if out is not None and torch.is_grad_enabled() and any(op.requires_grad for op in operands):
+        raise RuntimeError("contract(out=...) is not differentiable (as torch.einsum's out=), but an operand "
+                           "requires grad: drop out= to get a differentiable result, or run under "
+                           "torch.no_grad()")
+    return plan.contract(*operands, slices=slices, out=out, progress=progress)
