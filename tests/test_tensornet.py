@@ -353,10 +353,10 @@ def test_sliced_equals_unsliced_and_groups_sum_to_whole():
 
 
 def test_contract_out():
-    """tn.contract(out=) as torch.einsum and opt_einsum take it: the result written into out and
-    out returned, for the string and interleaved forms, sliced plans and slice groups; float32
-    out for float16 operands takes the sum unrounded; shape, dtype, process_group and autograd
-    misuse refused with the argument named."""
+    """tn.contract(out=) as opt_einsum's contract takes it: the result written into out and out
+    returned, for the string and interleaved forms, sliced plans and slice groups; a float32 out
+    for float16 operands takes the slices' sum unrounded (the float16 out is that sum rounded
+    once); shape, dtype, process_group and autograd misuse refused with the argument named."""
     gen = torch.Generator().manual_seed(5)
     expr = "ab,bc,cd->ad"
     ops = [_rand((6, 5), gen=gen), _rand((5, 7), gen=gen), _rand((7, 4), gen=gen)]
@@ -379,14 +379,19 @@ def test_contract_out():
     s = torch.empty((), dtype=F64)
     tn.contract("ab,ab->", ops[0], ops[0], out=s)
     _close(s, (ops[0] * ops[0]).sum())
-    # float16 operands: float16 out, or float32 out holding the unrounded sum
-    h = [op.half() for op in ops]
-    out16, out32 = torch.empty(6, 4, dtype=torch.float16), torch.empty(6, 4, dtype=torch.float32)
-    tn.contract(expr, *h, out=out16)
-    tn.contract(expr, *h, out=out32)
-    ref = torch.einsum(expr, *[t.double() for t in h])
-    torch.testing.assert_close(out32.double(), ref, rtol=2e-3, atol=2e-3)
-    torch.testing.assert_close(out16.double(), ref, rtol=2e-2, atol=2e-2)
+    # float16 operands, sliced over the summed mode: each slice rounded to float16, their sum
+    # kept in float32 in a float32 out, rounded once more in a float16 out
+    big = [_rand((8, 64), gen=gen), _rand((64, 8), gen=gen)]
+    h = [t.half() for t in big]
+    ph = tn.plan("ab,bc->ac", *h, slicing={"min_slices": 8})
+    assert ph.num_slices >= 8 and "b" in "".join(map(str, ph.sliced_modes))
+    out16, out32 = torch.empty(8, 8, dtype=torch.float16), torch.empty(8, 8, dtype=torch.float32)
+    tn.contract("ab,bc->ac", *h, plan=ph, out=out16)
+    tn.contract("ab,bc->ac", *h, plan=ph, out=out32)
+    slices = [ph.contract(*h, slices=[i]).float() for i in range(ph.num_slices)]
+    assert torch.equal(out32, sum(slices[1:], slices[0]))  # the float32 sum of the rounded slices
+    assert torch.equal(out16, out32.half())
+    assert not torch.equal(out32, out16.float())  # the float32 out was not rounded to float16
     # misuse
     with pytest.raises(ValueError, match="out has shape"):
         tn.contract(expr, *ops, out=torch.empty(4, 6, dtype=F64))
@@ -397,8 +402,12 @@ def test_contract_out():
     with pytest.raises(ValueError, match="out and process_group"):
         tn.contract(expr, *ops, out=buf, process_group=object())
     leaf = ops[0].clone().requires_grad_()
-    with pytest.raises(RuntimeError, match="out=.*not differentiable"):
+    with pytest.raises(RuntimeError, match="out=.*not differentiable.*an operand requires grad"):
         tn.contract(expr, leaf, ops[1], ops[2], out=buf)
+    with pytest.raises(RuntimeError, match="out=.*not differentiable.*an operand requires grad"):
+        tn.contract(leaf, [0, 1], ops[1], [1, 2], ops[2], [2, 3], [0, 3], out=buf)
+    with pytest.raises(RuntimeError, match="out requires grad"):
+        tn.contract(expr, *ops, out=torch.zeros(6, 4, dtype=F64, requires_grad=True))
     with torch.no_grad():
         tn.contract(expr, leaf, ops[1], ops[2], out=buf)
     _close(buf, want)

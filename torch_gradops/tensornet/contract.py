@@ -231,15 +231,17 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
     plan instead of looking one up; ``progress``: a tqdm bar over slices; ``process_group``: a
     ``torch.distributed`` group whose ranks share the slices (see
     :func:`torch_gradops.distributed.contract`; every rank gets the full result); ``out``: a
-    tensor of the result's shape to write the result into and return, as ``torch.einsum`` and
-    opt_einsum take it (the result's dtype or, for float16/bfloat16 operands, float32, which
-    takes the sum over slices unrounded; as there, not differentiable: refused while an operand
-    requires grad under grad mode).
+    tensor of the result's shape to write the result into and return, as opt_einsum's
+    ``contract(out=)`` takes it (the result's dtype or, for float16/bfloat16 operands, float32,
+    which takes the sum over slices unrounded). Like torch's ``out=`` arguments it is not
+    differentiable: refused for an ``out`` that requires grad, and for operands that do under
+    grad mode.
     Returns a tensor with one dimension per output mode (0-dim for a scalar).
 
     Under ``torch.autocast`` the float16/bfloat16/float32 operands are cast to autocast's dtype
     first, as torch.einsum's are (:func:`~.parser.autocast_operands`), and the result has that
-    dtype. Sums over slices run in float32 for float16/bfloat16 operands.
+    dtype; not with ``out``, which autocast leaves alone in torch's ops too. Sums over slices run
+    in float32 for float16/bfloat16 operands.
     """
     if out is not None:
         if not isinstance(out, torch.Tensor):
@@ -247,6 +249,13 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
         if process_group is not None:
             raise ValueError("out and process_group cannot be combined: every rank gets the full result "
                              "(copy it into out)")
+        # before any planning: the operands are the tensors among args in either input form
+        if out.requires_grad or torch.is_grad_enabled() and any(
+                isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+            raise RuntimeError("contract(out=...) is not differentiable (as torch's out= arguments are not), but "
+                               + ("out requires grad" if out.requires_grad else "an operand requires grad")
+                               + ": drop out= to get a differentiable result, or run under torch.no_grad() "
+                                 "with an out that does not require grad")
     else:
         args = parser.autocast_operands(args)
     plan, operands = resolve(*args, memory_limit=memory_limit, optimize=optimize, slicing=slicing, plan=plan,
@@ -257,8 +266,4 @@ def contract(*args, memory_limit=None, optimize="auto", slicing=None, slices=Non
         if _process_group_runner is None:
             raise RuntimeError("contract(process_group=...) needs torch_gradops.distributed; import it first")
         return _process_group_runner(plan, operands, process_group, progress=progress)
-    if out is not None and torch.is_grad_enabled() and any(op.requires_grad for op in operands):
-        raise RuntimeError("contract(out=...) is not differentiable (as torch.einsum's out=), but an operand "
-                           "requires grad: drop out= to get a differentiable result, or run under "
-                           "torch.no_grad()")
     return plan.contract(*operands, slices=slices, out=out, progress=progress)
