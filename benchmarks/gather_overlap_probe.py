@@ -8,8 +8,9 @@ probe measures it with nothing else in the loop: per "edge", a random row of a `
 float32 table summed into four registers (``gather``), a fixed number of blocks of eight independent
 fused multiply-add chains on registers (``compute``), and both in one loop (``both``), one
 thread. Row prefetches: none, ``burst`` (all lines of the row ``distance`` edges ahead at the
-top of each edge, as the kernels do) or ``spread`` (one line per arithmetic block, the row
-``distance`` edges ahead).
+top of each edge) or ``spread`` (one line per arithmetic block, the row ``distance`` edges
+ahead; the float32 kernels issue theirs a head's slice at a time through the score loop, in
+between).
 
 ``overlap = (gather + compute - both) / min(gather, compute)``: 1 when the smaller of the two
 hides entirely under the larger, 0 when they add up (negative when together they run slower than
@@ -19,7 +20,8 @@ Prints a table and writes JSON under ``benchmarks/results/``. Compiles its C++ l
 ``torch.utils.cpp_extension.load_inline`` (a C++ compiler is needed; ``-march=native``).
 
     python benchmarks/gather_overlap_probe.py
-    python benchmarks/gather_overlap_probe.py --nodes 100000 --edges 2000000 --work 16 32 64
+    python benchmarks/gather_overlap_probe.py --nodes 100000 --edges 2000000 --work 16 32 64 --distances 4 8 16
+    THP_MEM_ALLOC_ENABLE=1 python benchmarks/gather_overlap_probe.py   # the table on 2 MiB pages
 """
 from __future__ import annotations
 
@@ -97,8 +99,8 @@ double probe(torch::Tensor table, torch::Tensor idx, bool gather, bool compute, 
   }
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   v8 sink = ((a0 + a1) + (a2 + a3)) + ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7));
-  volatile float keep = sink[0] + sink[7];  // the loops must not be optimised away
-  (void)keep;
+  static volatile v8 keep;  // every lane stored: no part of the loops may be optimised away
+  keep = sink;
   return s / static_cast<double>(E) * 1e9;
 }
 
@@ -116,7 +118,7 @@ def main():
     p.add_argument("--work", type=int, nargs="+", default=[16, 64],
                    help="arithmetic blocks per edge (each: 8 independent 8-wide multiply-adds)")
     p.add_argument("--prefetch", nargs="+", default=["none", "burst", "spread"], choices=list(PREFETCH))
-    p.add_argument("--distance", type=int, default=4, help="prefetch this many edges ahead")
+    p.add_argument("--distances", type=int, nargs="+", default=[4, 16], help="prefetch this many edges ahead")
     p.add_argument("--repeats", type=int, default=5, help="rounds, the three loops alternating in each")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -132,22 +134,23 @@ def main():
     rows = []
     print(f"table {args.nodes} x {args.row} float32 ({table.numel() * 4 / 2**20:.0f} MiB), {args.edges} random "
           f"gathers, 1 thread, medians of {args.repeats} rounds (ns per edge)")
-    print(f"{'work':>5} {'prefetch':>8} | {'gather':>7} {'compute':>8} {'both':>7} {'sum':>7} | overlap")
-    for work in args.work:
-        for pf in args.prefetch:
-            times = {"gather": [], "compute": [], "both": []}
-            args_of = {"gather": (True, False), "compute": (False, True), "both": (True, True)}
-            for name, (g, c) in args_of.items():  # warm-up
-                ext.probe(table, idx[: args.edges // 10], g, c, work, PREFETCH[pf], args.distance)
-            for _ in range(args.repeats):
-                for name, (g, c) in args_of.items():
-                    times[name].append(ext.probe(table, idx, g, c, work, PREFETCH[pf], args.distance))
-            med = {k: statistics.median(v) for k, v in times.items()}
-            overlap = (med["gather"] + med["compute"] - med["both"]) / min(med["gather"], med["compute"])
-            rows.append({"work": work, "prefetch": pf, "distance": args.distance, "ns_per_edge": med,
-                         "all_ns_per_edge": times, "overlap": overlap})
-            print(f"{work:>5} {pf:>8} | {med['gather']:7.1f} {med['compute']:8.1f} {med['both']:7.1f} "
-                  f"{med['gather'] + med['compute']:7.1f} | {overlap:6.2f}", flush=True)
+    print(f"{'work':>5} {'prefetch':>8} {'dist':>4} | {'gather':>7} {'compute':>8} {'both':>7} {'sum':>7} | overlap")
+    configs = [(w, pf, d) for w in args.work for pf in args.prefetch
+               for d in (args.distances if pf != "none" else [0])]
+    for work, pf, distance in configs:
+        times = {"gather": [], "compute": [], "both": []}
+        args_of = {"gather": (True, False), "compute": (False, True), "both": (True, True)}
+        for name, (g, c) in args_of.items():  # warm-up
+            ext.probe(table, idx[: args.edges // 10], g, c, work, PREFETCH[pf], distance)
+        for _ in range(args.repeats):
+            for name, (g, c) in args_of.items():
+                times[name].append(ext.probe(table, idx, g, c, work, PREFETCH[pf], distance))
+        med = {k: statistics.median(v) for k, v in times.items()}
+        overlap = (med["gather"] + med["compute"] - med["both"]) / min(med["gather"], med["compute"])
+        rows.append({"work": work, "prefetch": pf, "distance": distance, "ns_per_edge": med,
+                     "all_ns_per_edge": times, "overlap": overlap})
+        print(f"{work:>5} {pf:>8} {distance:>4} | {med['gather']:7.1f} {med['compute']:8.1f} {med['both']:7.1f} "
+              f"{med['gather'] + med['compute']:7.1f} | {overlap:6.2f}", flush=True)
     info = machine_info("cpu")
     info["threads"] = 1
     out = args.out or os.path.join(os.path.dirname(HERE), "results", "gather_overlap_probe_cpu.json")
