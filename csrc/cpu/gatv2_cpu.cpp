@@ -532,6 +532,23 @@ inline void accumulate_tile_c(acc_t* __restrict__ acc, const T* const* rows, con
   using vec = typename cpu::VecWide<acc_t>::type;
   constexpr int kLanes = cpu::VecWide<acc_t>::kLanes;
   if constexpr (std::is_same<acc_t, T>::value) {
+    constexpr int kVecs = kC % kLanes == 0 ? kC / kLanes : 0;  // a head's vectors, when C is known
+    if constexpr (kVecs >= 1 && kVecs <= 4) {
+      // A head's vectors held in registers across the tile: each row's vectors are loaded once,
+      // with one broadcast of the weight for all of them (about 5% of the forward at C=32).
+      for (int64_t h = 0; h < H; ++h) {
+        acc_t* ah = acc + h * kC;
+        vec a[kVecs];
+        for (int v = 0; v < kVecs; ++v) a[v] = cpu::load_wide(ah + v * kLanes);
+        for (int t = 0; t < nt; ++t) {
+          const acc_t wt = w[t * H + h];
+          const acc_t* xh = rows[t] + h * kC;
+          for (int v = 0; v < kVecs; ++v) a[v] += wt * cpu::load_wide(xh + v * kLanes);
+        }
+        for (int v = 0; v < kVecs; ++v) cpu::store_wide(ah + v * kLanes, a[v]);
+      }
+      return;
+    }
     if (C % kLanes == 0) {
       for (int64_t h = 0; h < H; ++h) {
         for (int64_t f = h * C; f < (h + 1) * C; f += kLanes) {
