@@ -153,6 +153,13 @@ def check_graph_edits_that_bypass_the_version_counter(pyg_cls, our_cls):
     close(alpha, ref_alpha, msg="attention of reordered edges")
     ei.data[1, 1] = 0  # one destination changed
     close(ours(x, ei), theirs(x, ei), msg="after a write through .data")
+    buffer = np.array([[0, 0, 1], [2, 2, 2]])
+    ei = torch.from_numpy(buffer)
+    close(ours(x, ei), theirs(x, ei))
+    buffer[0, 1], buffer[0, 2] = 1, 0  # two sources swapped: the same small ids in other places
+    (out, (_, alpha)), (ref, (_, ref_alpha)) = [m(x, ei, return_attention_weights=True) for m in (ours, theirs)]
+    close(out, ref, msg="after two sources swapped through numpy")
+    close(alpha, ref_alpha, msg="attention after two sources swapped through numpy")
 
 
 def check_explainer_masks_and_hooks(pyg_cls, our_cls, model_kw):

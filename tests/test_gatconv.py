@@ -922,6 +922,31 @@ def test_graph_edits_that_bypass_the_version_counter_are_seen():
     check_graph_edits_that_bypass_the_version_counter(PyGGATConv, GATConv)
 
 
+def test_content_key_sees_moved_and_changed_ids():
+    """The cache's content key (for writes that bypass the version counter) differs after any
+    swap of two different edges and after any id changed by one, on every small graph with ids
+    below 5, and after a swap across its chunks (keys built from XORs of small ids collide on
+    such swaps)."""
+    import itertools
+    from torch_gradops.nn.adjacency import _KEY_CHUNK, _content_key
+    for row in itertools.product(range(5), repeat=4):
+        for col in ((1, 1, 1, 1), (0, 2, 1, 3)):
+            ei = torch.tensor([list(row), list(col)])
+            key = _content_key(ei)
+            for i, j in itertools.combinations(range(4), 2):
+                moved = ei.clone()
+                moved[:, [i, j]] = ei[:, [j, i]]
+                assert torch.equal(moved, ei) or _content_key(moved) != key, (ei.tolist(), i, j)
+            for k in range(8):
+                changed = ei.clone().view(-1)
+                changed[k] += 1
+                assert _content_key(changed.view(2, 4)) != key, (ei.tolist(), k)
+    big = torch.arange(2 * _KEY_CHUNK + 10).remainder_(7).view(2, -1)
+    moved = big.clone().view(-1)
+    moved[3], moved[3 + _KEY_CHUNK] = big.view(-1)[4], big.view(-1)[3]  # different ids, one chunk apart
+    assert _content_key(moved.view(2, -1)) != _content_key(big)
+
+
 def test_inference_pass_then_training():
     check_inference_pass_then_training(PyGGATConv, GATConv)
 
