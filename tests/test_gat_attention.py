@@ -895,6 +895,22 @@ def test_mha_gat_n2n_matches_manual_composition():
         tg.mha_gat_n2n(feat, att, graph, num_heads=heads, edge_feat=torch.randn(ei.size(1), 2 * heads * c))
     with pytest.raises(ValueError, match="feat must be a tensor or a"):
         tg.mha_gat_n2n((feat, feat, feat), att, graph, num_heads=heads)
+    # cugraph-ops' gradient options are accepted (and need nothing: always deterministic, and
+    # accumulated in float32 for half types)
+    flags = dict(deterministic_dgrad=True, deterministic_wgrad=True, high_precision_dgrad=True,
+                 high_precision_wgrad=True)
+    torch.testing.assert_close(tg.mha_gat_n2n(feat, att, graph, num_heads=heads, edge_feat=efeat, **flags), out,
+                               rtol=0, atol=0)
+    # feature rows that do not match the graph are named as feat's
+    wide = tg.BipartiteCSC.from_edge_index(torch.tensor([[0, 1], [2, 0]]), 2, 3)  # 2 sources, 3 destinations
+    with pytest.raises(ValueError, match=r"feat has 2 rows, fewer than the graph's num_dst = 3"):
+        tg.mha_gat_n2n(feat[:2], att[: 2 * heads * c], wide, num_heads=heads)
+    with pytest.raises(ValueError, match=r"feat has \d+ rows, but the graph has num_src"):
+        tg.mha_gat_n2n(torch.cat([feat, feat]), att, graph, num_heads=heads, edge_feat=efeat)
+    with pytest.raises(ValueError, match=r"feat\[1\] has \d+ rows, but the graph has num_dst"):
+        tg.mha_gat_n2n((feat, feat[:1]), att, graph, num_heads=heads, edge_feat=efeat)
+    with pytest.raises(ValueError, match=r"feat\[0\] has \d+ rows, but the graph has num_src"):
+        tg.mha_gat_n2n((feat[:1], feat), att, graph, num_heads=heads, edge_feat=efeat)
 
 
 EDGE_BATCH_SCRIPT = r"""

@@ -839,6 +839,15 @@ def _cugraph_inputs(feat, attn_weights, graph: BipartiteCSC, num_heads: int, act
     hc = feat_src.size(1)
     if feat_dst.dim() != 2 or feat_dst.size(1) != hc:
         raise ValueError(f"the destination features must have shape [n_dst, {hc}], got {tuple(feat_dst.shape)}")
+    pair = isinstance(feat, (tuple, list))
+    if feat_src.size(0) != graph.num_src:
+        raise ValueError(f"{'feat[0]' if pair else 'feat'} has {feat_src.size(0)} rows, but the graph has "
+                         f"num_src = {graph.num_src} source nodes (one row each)")
+    if feat_dst.size(0) != graph.num_dst:
+        raise ValueError(f"feat[1] has {feat_dst.size(0)} rows, but the graph has num_dst = {graph.num_dst} "
+                         "destination nodes (one row each)" if pair else
+                         f"feat has {feat_src.size(0)} rows, fewer than the graph's num_dst = {graph.num_dst} "
+                         "destination nodes (its first num_dst rows are theirs)")
     if edge_feat is not None and (edge_feat.dim() != 2 or edge_feat.size(1) != hc
                                   or edge_feat.size(0) != graph.num_input_edges):
         raise ValueError(f"edge_feat must have shape [E = {graph.num_input_edges}, num_heads*C = {hc}] (one row "
@@ -859,7 +868,9 @@ def _cugraph_inputs(feat, attn_weights, graph: BipartiteCSC, num_heads: int, act
 
 def mha_gat_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_heads: int = 1,
                 activation: str = "LeakyReLU", negative_slope: float = 0.2, concat_heads: bool = True,
-                edge_feat: Optional[torch.Tensor] = None) -> torch.Tensor:
+                edge_feat: Optional[torch.Tensor] = None, deterministic_dgrad: bool = False,
+                deterministic_wgrad: bool = False, high_precision_dgrad: bool = False,
+                high_precision_wgrad: bool = False) -> torch.Tensor:
     """Drop-in for ``pylibcugraphops.pytorch.operators.mha_gat_n2n`` (withdrawn in RAPIDS 25.02).
 
     Args:
@@ -870,10 +881,14 @@ def mha_gat_n2n(feat, attn_weights: torch.Tensor, graph: BipartiteCSC, num_heads
         graph: a :class:`BipartiteCSC`.
         activation: ``"LeakyReLU"`` (or ``"Linear"``/None for no activation).
         edge_feat: ``[E, num_heads*C]`` projected edge features (original edge order), or None.
+        deterministic_dgrad, deterministic_wgrad, high_precision_dgrad, high_precision_wgrad:
+            accepted for compatibility and ignored: the gradients here are always deterministic,
+            and for float16/bfloat16 inputs always accumulated in float32.
 
     Returns:
         ``[n_dst, num_heads*C]`` if ``concat_heads`` else ``[n_dst, C]`` (mean over heads).
     """
+    del deterministic_dgrad, deterministic_wgrad, high_precision_dgrad, high_precision_wgrad
     feat_src, feat_dst, edge_feat, negative_slope = _cugraph_inputs(feat, attn_weights, graph, num_heads,
                                                                     activation, negative_slope, edge_feat)
     hc = feat_src.size(1)
