@@ -1336,6 +1336,18 @@ def test_plan_cache_size_and_its_thrash_warning():
         for bad in (-1, 2.5, "8", True):
             with pytest.raises(ValueError, match="maxsize must be an int >= 0"):
                 tn.set_plan_cache_size(bad)
+        # a cache of size 0 (caching off) rebuilds without warning, and leaves the warning for a
+        # later size that thrashes (it was used up, silently, by the size-0 rebuilds)
+        tn.clear_plan_cache()
+        tn.set_plan_cache_size(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for net in nets[:3] * 2:
+                tn.contract(*net)
+        tn.set_plan_cache_size(2)
+        with pytest.warns(RuntimeWarning, match=r"plan cache \(2 plans\)"):
+            for net in nets[:3] * 3:
+                tn.contract(*net)
     finally:
         tn.set_plan_cache_size(old)
         tn.clear_plan_cache()
@@ -2147,6 +2159,21 @@ def test_vectorized_jacobian_and_batched_grads(memory_limit):
     _close(got, torch.stack([torch.autograd.grad(ref(x, b), x, vi)[0] for vi in v]))
     assert torch.autograd.gradcheck(lambda x, y: f(x, y), (x, b.clone().requires_grad_(True)),
                                     check_batched_grad=True)
+    # A one-element output contracts with its gradients (FUSED): the first backward scales them
+    # by grad_out, a retained graph's later ones recompute; batched, those took the executor's
+    # op, which has no batching rule (failed, as did gradcheck's batched check of any scalar).
+    xs, ys = a.clone().requires_grad_(True), b.clone().requires_grad_(True)
+    w = _rand((5,), F64, gen)
+    want = torch.stack([torch.autograd.grad(s_ref(xs, ys), xs, wi)[0] for wi in w])
+    out = s(xs, ys)
+    for _ in range(2):
+        got, = torch.autograd.grad(out, xs, w, is_grads_batched=True, retain_graph=True)
+        _close(got, want)
+    out = s(xs, ys)
+    out.backward(retain_graph=True)
+    got, = torch.autograd.grad(out, xs, w, is_grads_batched=True)
+    _close(got, want)
+    assert torch.autograd.gradcheck(s, (xs, ys), check_batched_grad=True)
 
 
 @pytest.mark.parametrize("memory_limit", [None, 64])

@@ -170,9 +170,11 @@ class ContractFunction(torch.autograd.Function):
         needs = _engine_needs(ctx, ctx.needs_input_grad[3:])
         if grad_out is None or not any(needs):
             return (None, None, None) + (None,) * len(operands)
-        if is_legacy_batched(grad_out) and (ctx.mode != FUSED or torch.is_grad_enabled()):
+        if is_legacy_batched(grad_out) and (ctx.mode != FUSED or torch.is_grad_enabled() or ctx.units is None):
             # is_grads_batched / vectorize=True: the executor's ops take tensor lists, which that
-            # vmap cannot batch; PyTorch's autograd of the einsum steps can (unsliced)
+            # vmap cannot batch; PyTorch's autograd of the einsum steps can (unsliced). (FUSED
+            # scales the forward's unit gradients by a batched grad_out, but only once: a
+            # retained graph's later backward recomputes, and takes this way.)
             grads = _composite_gradients(ctx.plan, list(operands), grad_out, ctx.slices, needs)
         elif torch.is_grad_enabled() or is_transformed(grad_out):
             # create_graph=True, or a batched/dual output gradient (torch.func, gradcheck's

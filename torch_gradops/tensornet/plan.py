@@ -929,7 +929,8 @@ class PlanCache:
                 if hash(key) in self._dropped:
                     del self._dropped[hash(key)]
                     self.rebuilt += 1
-                    warn, self._warned = not self._warned and self.maxsize > 0, True
+                    if self.maxsize > 0:  # (a cache of size 0 keeps nothing: no warning, none used up)
+                        warn, self._warned = not self._warned, True
                 self._plans[key] = p
                 self._trim()
         if warn:
