@@ -928,7 +928,13 @@ def test_content_key_sees_moved_and_changed_ids():
     below 5, and after a swap across its chunks (keys built from XORs of small ids collide on
     such swaps)."""
     import itertools
+    import torch_gradops.nn.adjacency as adjacency
     from torch_gradops.nn.adjacency import _KEY_CHUNK, _content_key
+    # its weights may first be made inside vmap (a layer under torch.func), which refuses torch's RNG
+    adjacency._KEY_WEIGHTS = None
+    keys = []
+    torch.func.vmap(lambda t: keys.append(_content_key(torch.tensor([[0, 1], [1, 0]]))) or t)(torch.ones(2))
+    assert keys and adjacency._KEY_WEIGHTS is not None
     for row in itertools.product(range(5), repeat=4):
         for col in ((1, 1, 1, 1), (0, 2, 1, 3)):
             ei = torch.tensor([list(row), list(col)])

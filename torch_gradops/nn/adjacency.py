@@ -10,6 +10,7 @@ an ``EdgeIndex`` sorted by column (destination) is converted without any sort.
 """
 from __future__ import annotations
 
+import random
 import weakref
 from typing import Optional, Tuple
 
@@ -71,13 +72,17 @@ def _ids_key(ids: Tensor) -> Tuple[int, int, int]:
     offset (the chunks' sums hashed as a tuple, so a change in one is not lost in the rounding of
     a total). Moving two values ``a != b`` within a chunk changes its sum by ``(a - b) (w_i -
     w_j)``, far above its rounding unless the two weights nearly coincide; between chunks, or
-    changing a value, changes the sums by a multiple of a weight. Float64 products and sums:
+    changing a value, changes the sums by a multiple of a weight. Random, not a regular sequence:
+    with weights ``1 + frac(k * golden ratio)`` the swap of an edge (both its ids) cancelled in
+    1.2% of the swaps on small graphs, the two ids' changes having equal weight differences. The
+    weights come from Python's ``random``, not torch's RNG: a first call may come inside vmap,
+    which refuses random operations. Float64 products and sums:
     torch's int64 multiplies take 1.6-12 ns per element on CPU, and XOR-based keys (no multiply)
     only see their masks' low bits for small ids."""
     global _KEY_WEIGHTS
     if _KEY_WEIGHTS is None:
-        gen = torch.Generator().manual_seed(0x5EED)
-        _KEY_WEIGHTS = torch.rand(_KEY_CHUNK, dtype=torch.float64, generator=gen).add_(1.0)
+        rng = random.Random(0x5EED)
+        _KEY_WEIGHTS = torch.tensor([1.0 + rng.random() for _ in range(_KEY_CHUNK)], dtype=torch.float64)
     ids = ids.detach().reshape(-1)
     sums = []
     for start in range(0, ids.numel(), _KEY_CHUNK):
