@@ -69,8 +69,8 @@ void check_gat_backward_args(const at::Tensor& grad_out, const c10::optional<at:
   check_shape(lse, {num_dst, heads}, "lse");
   TORCH_CHECK(grad_out.scalar_type() == x_src.scalar_type(), "grad_out must have the dtype of x_src");
   TORCH_CHECK(out.scalar_type() == x_src.scalar_type(), "out must have the dtype of x_src");
-  TORCH_CHECK(lse.scalar_type() == gat_acc_type(x_src.scalar_type()), "lse must be ",
-              gat_acc_type(x_src.scalar_type()), ", got ", lse.scalar_type());
+  TORCH_CHECK(lse.scalar_type() == kLseType, "lse must be ", kLseType, " (what the forward returns), got ",
+              lse.scalar_type());
   if (grad_alpha.has_value()) {
     check_shape(*grad_alpha, {indices.numel(), heads}, "grad_alpha");
     TORCH_CHECK(grad_alpha->scalar_type() == a_dst.scalar_type(), "grad_alpha must have alpha's dtype (",
@@ -111,7 +111,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gat_outputs(const GatFor
   const int64_t num_dst = a.a_dst.size(0), H = a.x_src.size(1), C = a.x_src.size(2);
   const auto opts = a.x_src.options();
   return {at::empty({num_dst, H, C}, opts),
-          at::empty({num_dst, H}, opts.dtype(gat_acc_type(a.x_src.scalar_type()))),
+          at::empty({num_dst, H}, opts.dtype(kLseType)),
           at::empty({return_alpha ? a.indices.numel() : 0, H}, a.a_src.options())};
 }
 
@@ -208,7 +208,7 @@ GatSddmmArgs prepare_gat_sddmm(const at::Tensor& a, const at::Tensor& b, const a
 }  // namespace torch_gradops
 
 TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
-  // out [num_dst,H,C], lse [num_dst,H] (float32 for half types), alpha [E,H] if return_alpha else [0,H].
+  // out [num_dst,H,C], lse [num_dst,H] (float64 for every dtype), alpha [E,H] if return_alpha else [0,H].
   // The logits (a_src, a_dst, edge_logits) have x_src's dtype, or float32 for half x_src; alpha,
   // grad_alpha and the logits' gradients have theirs.
   m.def(

@@ -6,6 +6,7 @@
 #include <c10/util/Optional.h>
 
 #include <array>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <tuple>
@@ -87,10 +88,17 @@ struct GatSddmmArgs {
 GatSddmmArgs prepare_gat_sddmm(const at::Tensor& a, const at::Tensor& b, const at::Tensor& indptr,
                                const at::Tensor& indices);
 
-// dtype in which half types accumulate and the log-sum-exp is kept.
+// dtype in which half types accumulate.
 inline at::ScalarType gat_acc_type(at::ScalarType t) {
   return (t == at::kHalf || t == at::kBFloat16) ? at::kFloat : t;
 }
+
+// The log-sum-exp the forwards save is float64 for every input dtype: the backwards form each
+// weight as exp(s - lse), and at large scores (past about 1e5) a float32 lse = max + log(sum)
+// rounds away the log of the sum. They split it into hi = lse rounded to the accumulation type
+// and lo = the rest, and take exp((s - hi) - lo): s - hi is exact where the weight matters (s
+// near the maximum), so the arithmetic stays in the accumulation type.
+constexpr at::ScalarType kLseType = at::kDouble;
 
 // Checks that `t` holds logits of features of dtype `features`: that dtype, or float32 for half
 // features (as PyG's layers compute them under autocast: float32 attention parameters times
@@ -127,10 +135,49 @@ void with_logit_type(at::ScalarType logits, F&& f) {
 #else
 #define GRADOPS_HD inline
 #endif
+#define GRADOPS_HAS_ASSOC_BARRIER 0
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_assoc_barrier)
+#undef GRADOPS_HAS_ASSOC_BARRIER
+#define GRADOPS_HAS_ASSOC_BARRIER 1
+#endif
+#endif
 
 namespace torch_gradops {
+// z * slope rounded on its own: never fused into a multiply-add with what uses the score (GCC and
+// nvcc contract by default), so that every pass that recomputes a score gets the same value. At
+// scores of 1e4-1e8 a fused product in one pass and a rounded one in another moved a weight
+// exp(s - lse) by up to half an ulp of s in the exponent (GAT's x_src gradient off by 1e-4-0.7).
+template <typename T>
+GRADOPS_HD T mul_rounded(T a, T b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (std::is_same<T, double>::value) {
+    return __dmul_rn(a, b);
+  } else {
+    return __fmul_rn(a, b);
+  }
+#elif defined(__CUDACC__)
+  return a * b;  // the host side of CUDA sources: no kernel runs it
+#elif GRADOPS_HAS_ASSOC_BARRIER  // GCC >= 12, Clang >= 15
+  return __builtin_assoc_barrier(a * b);
+#else
+  return a * b;  // (older compilers: scores at 1e4 and up may then lose accuracy in the backward)
+#endif
+}
 template <typename acc_t>
-GRADOPS_HD acc_t leaky_relu(acc_t z, acc_t slope) { return z > acc_t(0) ? z : z * slope; }
+GRADOPS_HD acc_t leaky_relu(acc_t z, acc_t slope) { return z > acc_t(0) ? z : mul_rounded(z, slope); }
 template <typename acc_t>
 GRADOPS_HD acc_t leaky_relu_grad(acc_t z, acc_t slope) { return z > acc_t(0) ? acc_t(1) : slope; }
+// lse (float64) split for exp((s - hi) - lo) in acc_t: see kLseType. (-inf, for a destination
+// without edges, gives lo NaN; no weight is formed there.)
+template <typename acc_t>
+GRADOPS_HD void split_lse(double lse, acc_t& hi, acc_t& lo) {
+  hi = static_cast<acc_t>(lse);
+  lo = static_cast<acc_t>(lse - static_cast<double>(hi));
+}
+// The log-sum-exp the forwards save: max + log(sum), in float64.
+template <typename acc_t>
+GRADOPS_HD double lse_of(acc_t run_max, acc_t run_sum) {
+  return static_cast<double>(run_max) + log(static_cast<double>(run_sum));
+}
 }  // namespace torch_gradops

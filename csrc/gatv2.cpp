@@ -112,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gatv2_outputs(const Gatv
   const int64_t num_dst = a.x_dst.size(0), H = a.x_src.size(1), C = a.x_src.size(2);
   const auto opts = a.x_src.options();
   return {at::empty({num_dst, H, C}, opts),
-          at::empty({num_dst, H}, opts.dtype(gat_acc_type(a.x_src.scalar_type()))),
+          at::empty({num_dst, H}, opts.dtype(kLseType)),
           at::empty({return_alpha ? a.indices.numel() : 0, H}, opts)};
 }
 
@@ -162,7 +162,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> allocate_
 }  // namespace torch_gradops
 
 TORCH_LIBRARY_FRAGMENT(torch_gradops, m) {
-  // out [num_dst,H,C], lse [num_dst,H] (float32 for half types), alpha [E,H] if return_alpha else [0,H].
+  // out [num_dst,H,C], lse [num_dst,H] (float64 for every dtype), alpha [E,H] if return_alpha else [0,H].
   // edge_attr is [R,K] with edge_weight [K,H,C], or [R,H,C] (already projected) without it: R = E
   // rows in CSC order, or any R with edge_attr_rows [E] naming the row each CSC position reads
   // (distinct rows where edge_attr's gradient is wanted).

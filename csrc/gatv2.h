@@ -45,7 +45,7 @@ Gatv2ForwardArgs prepare_gatv2_forward(const at::Tensor& x_src, const at::Tensor
                                        const at::Tensor& indices, const c10::optional<at::Tensor>& dropout_mask,
                                        double dropout_scale, const c10::optional<at::Tensor>& edge_attr_rows);
 
-// gatv2_forward's outputs, allocated: out [num_dst,H,C], lse [num_dst,H] (acc type), alpha [E or 0, H].
+// gatv2_forward's outputs, allocated: out [num_dst,H,C], lse [num_dst,H] (float64), alpha [E or 0, H].
 std::tuple<at::Tensor, at::Tensor, at::Tensor> allocate_gatv2_outputs(const Gatv2ForwardArgs& a, bool return_alpha);
 
 // gatv2_backward's tensors, checked and contiguous, and which gradients to compute (those of

@@ -968,3 +968,47 @@ def test_forward_edge_batches_agree_bitwise(device, tmp_path):
         assert alpha.shape[0] == 180 and out.shape[0] == 40
         for a, b in zip(tensors, runs[1][key]):
             assert torch.equal(bits(a), bits(b)), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_returned_attention_at_large_scores(device):
+    """alpha from return_attention is exp(s - max) / sum: formed as exp(s - lse), float32 scores of
+    1e6-1e8 lost the log-sum to lse's rounding (weights off by up to 0.5 against float64)."""
+    ei, ns, nd = make_graph("random", seed=4)
+    ei = ei.to(device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    g = torch.Generator().manual_seed(5)
+    for scale in (1e2, 1e6, 1e8):
+        x = torch.randn(ns, 2, 3, generator=g, dtype=torch.float64)
+        a_src = torch.randn(ns, 2, generator=g, dtype=torch.float64) * scale
+        a_dst = torch.randn(nd, 2, generator=g, dtype=torch.float64) * scale
+        f32 = [t.float().to(device) for t in (x, a_src, a_dst)]
+        _, alpha = tg.gat_attention(*f32, graph, return_attention=True)
+        # the reference on the same float32 inputs, in float64 (the scores' own rounding apart)
+        _, ref = gat_reference(*[t.double() for t in f32], ei, nd)
+        torch.testing.assert_close(alpha.double(), ref, atol=2e-6, rtol=1e-5, msg=f"scale {scale:g}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_at_large_scores(device):
+    """The backward forms its weights as exp(s - lse) from a float64 lse, split into two parts of
+    the accumulation type, and every pass rounds a score's leaky_relu product on its own: with a
+    float32 lse, or with the product fused into the next subtraction in one pass and not in
+    another, scores of 1e4-1e8 put the weights (and so the gradients) off by up to 0.7. At these
+    scales the softmax is nearly one-hot and the logits' gradients nearly zero: all three are
+    compared at the scale of x_src's."""
+    ei, ns, nd = make_graph("random", seed=4)
+    ei = ei.to(device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    g = torch.Generator().manual_seed(8)
+    for scale in (1e4, 1e6, 1e8):
+        x = torch.randn(ns, 2, 3, generator=g)
+        a_src, a_dst = torch.randn(ns, 2, generator=g) * scale, torch.randn(nd, 2, generator=g) * scale
+        weight = torch.randn(nd, 2, 3, generator=g)
+        f32 = [t.to(device).requires_grad_() for t in (x, a_src, a_dst)]
+        f64 = [t.detach().double().requires_grad_() for t in f32]
+        got = torch.autograd.grad((tg.gat_attention(*f32, graph) * weight.to(device)).sum(), f32)
+        ref = torch.autograd.grad((gat_reference(*f64, ei, nd)[0] * weight.double().to(device)).sum(), f64)
+        atol = 1e-4 * ref[0].abs().max().item()
+        for name, a, b in zip(("x_src", "a_src", "a_dst"), got, ref):
+            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=atol, msg=f"{name} at scale {scale:g}")

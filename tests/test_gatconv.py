@@ -928,29 +928,26 @@ def test_content_key_sees_moved_and_changed_ids():
     below 5, and after a swap across its chunks (keys built from XORs of small ids collide on
     such swaps)."""
     import itertools
-    import torch_gradops.nn.adjacency as adjacency
-    from torch_gradops.nn.adjacency import _KEY_CHUNK, _content_key
-    # its weights may first be made inside vmap (a layer under torch.func), which refuses torch's RNG
-    adjacency._KEY_WEIGHTS = None
-    keys = []
-    torch.func.vmap(lambda t: keys.append(_content_key(torch.tensor([[0, 1], [1, 0]]))) or t)(torch.ones(2))
-    assert keys and adjacency._KEY_WEIGHTS is not None
+    from torch_gradops.nn.adjacency import KEY_CHUNK, content_key
+    keys = []  # a layer's call may come inside vmap (torch.func), which refuses torch's RNG
+    torch.func.vmap(lambda t: keys.append(content_key(torch.tensor([[0, 1], [1, 0]]))) or t)(torch.ones(2))
+    assert keys == [content_key(torch.tensor([[0, 1], [1, 0]]))]
     for row in itertools.product(range(5), repeat=4):
         for col in ((1, 1, 1, 1), (0, 2, 1, 3)):
             ei = torch.tensor([list(row), list(col)])
-            key = _content_key(ei)
+            key = content_key(ei)
             for i, j in itertools.combinations(range(4), 2):
                 moved = ei.clone()
                 moved[:, [i, j]] = ei[:, [j, i]]
-                assert torch.equal(moved, ei) or _content_key(moved) != key, (ei.tolist(), i, j)
+                assert torch.equal(moved, ei) or content_key(moved) != key, (ei.tolist(), i, j)
             for k in range(8):
                 changed = ei.clone().view(-1)
                 changed[k] += 1
-                assert _content_key(changed.view(2, 4)) != key, (ei.tolist(), k)
-    big = torch.arange(2 * _KEY_CHUNK + 10).remainder_(7).view(2, -1)
+                assert content_key(changed.view(2, 4)) != key, (ei.tolist(), k)
+    big = torch.arange(2 * KEY_CHUNK + 10).remainder_(7).view(2, -1)
     moved = big.clone().view(-1)
-    moved[3], moved[3 + _KEY_CHUNK] = big.view(-1)[4], big.view(-1)[3]  # different ids, one chunk apart
-    assert _content_key(moved.view(2, -1)) != _content_key(big)
+    moved[3], moved[3 + KEY_CHUNK] = big.view(-1)[4], big.view(-1)[3]  # different ids, one chunk apart
+    assert content_key(moved.view(2, -1)) != content_key(big)
 
 
 def test_inference_pass_then_training():

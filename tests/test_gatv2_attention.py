@@ -653,8 +653,9 @@ def test_bad_op_inputs_raise_clear_errors():
     everything = [True] * 5
     with pytest.raises(RuntimeError, match="rev_indptr must start at 0 and end at E"):
         ops.gatv2_backward(*bwd, late, rev.edge, rev.dst, None, 0.2, 1.0, everything)
-    with pytest.raises(RuntimeError, match="lse must be"):
-        ops.gatv2_backward(*bwd[:3], lse.double(), *bwd[4:], rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0,
+    assert lse.dtype == torch.float64  # for every input dtype: see kLseType in csrc/gat.h
+    with pytest.raises(RuntimeError, match="lse must be Double"):
+        ops.gatv2_backward(*bwd[:3], lse.float(), *bwd[4:], rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0,
                            everything)
     with pytest.raises(RuntimeError, match="grad_out must have shape"):
         ops.gatv2_backward(out[:-1], *bwd[1:], rev.indptr, rev.edge, rev.dst, None, 0.2, 1.0, everything)
@@ -1000,3 +1001,53 @@ def test_repeated_rows_sum_in_the_differentiable_backward():
     torch.testing.assert_close(g, ref)
     with pytest.raises(RuntimeError, match="appears twice"):
         torch.autograd.grad(tg.GATv2AttentionFunction.apply(x, xd, att, ea, w, *tail, twice)[0], ea, go)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_returned_attention_at_large_scores(device):
+    """alpha from return_attention is exp(s - max) / sum: formed as exp(s - lse), large float32
+    scores lost the log-sum to lse's rounding (two tied edges at scores of 2^23 got 0.37 or 1
+    instead of 0.5). Integer inputs and a slope of 1/4 keep every score exact in float32, and
+    sources come in pairs with equal rows, so each destination's best score is tied."""
+    g = torch.Generator().manual_seed(7)
+    ns, nd, heads, c = 16, 6, 2, 4
+    src = torch.cat([torch.randperm(ns // 2, generator=g)[:3] for _ in range(nd)]) * 2
+    src = torch.stack([src, src + 1], 1).reshape(-1)  # both sources of each pair
+    dst = torch.arange(nd).repeat_interleave(6)
+    ei = torch.stack([src, dst]).to(device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    for scale in (2.0 ** 6, 2.0 ** 17):
+        rows = torch.randint(-8, 9, (ns // 2, heads, c), generator=g).repeat_interleave(2, 0) * scale
+        x_dst = torch.randint(-4, 5, (nd, heads, c), generator=g) * 4.0
+        att = torch.randint(-2, 3, (heads, c), generator=g).float()
+        inputs = [t.float().to(device) for t in (rows, x_dst, att)]
+        _, alpha = tg.gatv2_attention(*inputs, graph, 0.25, return_attention=True)
+        _, ref = gatv2_reference(*[t.double() for t in inputs], ei, nd, 0.25)
+        torch.testing.assert_close(alpha.double(), ref, atol=1e-6, rtol=1e-6, msg=f"scale {scale:g}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gradients_at_large_scores(device):
+    """The backward forms its weights as exp(s - lse) from a float64 lse, split into two parts of
+    the accumulation type: with a float32 lse, tied best edges at exact scores of 2^23 got
+    weights of 0.37 or 1 instead of 0.5 in the backward, and gradients to match. The inputs of
+    test_returned_attention_at_large_scores: every score exact in float32."""
+    g = torch.Generator().manual_seed(9)
+    ns, nd, heads, c = 16, 6, 2, 4
+    src = torch.cat([torch.randperm(ns // 2, generator=g)[:3] for _ in range(nd)]) * 2
+    src = torch.stack([src, src + 1], 1).reshape(-1)
+    dst = torch.arange(nd).repeat_interleave(6)
+    ei = torch.stack([src, dst]).to(device)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    for scale in (2.0 ** 6, 2.0 ** 17):
+        rows = torch.randint(-8, 9, (ns // 2, heads, c), generator=g).repeat_interleave(2, 0) * scale
+        x_dst = torch.randint(-4, 5, (nd, heads, c), generator=g) * 4.0
+        att = torch.randint(-2, 3, (heads, c), generator=g).float()
+        weight = torch.randn(nd, heads, c, generator=g)
+        f32 = [t.float().to(device).requires_grad_() for t in (rows, x_dst, att)]
+        f64 = [t.detach().double().requires_grad_() for t in f32]
+        got = torch.autograd.grad((tg.gatv2_attention(*f32, graph, 0.25) * weight.to(device)).sum(), f32)
+        ref = torch.autograd.grad((gatv2_reference(*f64, ei, nd, 0.25)[0] * weight.double().to(device)).sum(), f64)
+        for name, a, b in zip(("x_src", "x_dst", "att"), got, ref):
+            torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4 * b.abs().max().item(),
+                                       msg=f"{name} at scale {scale:g}")

@@ -46,7 +46,7 @@ def _gat_forward_fake(x_src, a_src, a_dst, edge_logits, indptr, indices, dropout
                       negative_slope, dropout_scale, return_alpha):
     num_dst, heads, channels = a_dst.size(0), x_src.size(1), x_src.size(2)
     out = x_src.new_empty((num_dst, heads, channels))
-    lse = x_src.new_empty((num_dst, heads), dtype=_acc_dtype(x_src.dtype))
+    lse = x_src.new_empty((num_dst, heads), dtype=torch.float64)  # float64 for every dtype (csrc/gat.h)
     alpha = a_src.new_empty((indices.size(0) if return_alpha else 0, heads))
     return out, lse, alpha
 
@@ -352,15 +352,15 @@ def _sum_to_nodes(w: torch.Tensor, edges: _Edges, side: str) -> torch.Tensor:
 class _EdgeSoftmax(torch.autograd.Function):
     """Softmax of edge scores ``s [E, H]`` (CSC order) over each destination's incoming edges.
 
-    ``lse [num_dst, H]`` (the forward kernel's log-sum-exp) only shifts the exponent for
-    stability; the result is renormalised, so it is exact. Saves only its output: inside a
+    ``lse [num_dst, H]`` (the forward kernel's log-sum-exp, float64) only shifts the exponent
+    for stability (taken in the scores' dtype); the result is renormalised, so it is exact. Saves only its output: inside a
     double backward the recorded graph keeps one ``E x H`` tensor here, not every temporary."""
     generate_vmap_rule = True
 
     @staticmethod
     def forward(scores, lse, indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src):
         edges = _Edges(indptr, indices, dst, rev_indptr, rev_edge, rev_dst, num_src)
-        q = torch.exp(scores - _to_edges(lse, edges, "dst"))
+        q = torch.exp(scores - _to_edges(lse.to(scores.dtype), edges, "dst"))
         return q / _to_edges(_sum_to_nodes(q, edges, "dst"), edges, "dst")
 
     @staticmethod
@@ -577,7 +577,7 @@ class GATAttentionFunction(_GATAttentionFirstOrder):
 
     * ``x_src [num_src, H, C]``, ``a_src [num_src, H]``, ``a_dst [num_dst, H]``,
       ``edge_logits [E, H]`` or None; ``dropout_mask [E, H]`` bool or None (kept edges).
-    * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (non-differentiable log-sum-exp of the
+    * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (float64; non-differentiable log-sum-exp of the
       scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
     * The reverse (source-grouped) index ``rev_*`` is only needed when a reverse-mode gradient
       is wanted.

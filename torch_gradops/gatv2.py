@@ -48,7 +48,7 @@ def _gatv2_forward_fake(x_src, x_dst, att, edge_attr, edge_weight, indptr, indic
                         negative_slope, dropout_scale, return_alpha, edge_attr_rows=None):
     num_dst, heads, channels = x_dst.size(0), x_src.size(1), x_src.size(2)
     out = x_src.new_empty((num_dst, heads, channels))
-    lse = x_src.new_empty((num_dst, heads), dtype=_acc_dtype(x_src.dtype))
+    lse = x_src.new_empty((num_dst, heads), dtype=torch.float64)  # float64 for every dtype (csrc/gat.h)
     alpha = x_src.new_empty((indices.size(0) if return_alpha else 0, heads))
     return out, lse, alpha
 
@@ -474,7 +474,7 @@ class GATv2AttentionFunction(_GATv2AttentionFirstOrder):
       position reads (a graph's ``perm``, distinct rows; ``edge_attr`` then has any number of
       rows, and rows no edge reads get zero gradient). The kernels read through it, so edge
       features in the input edge order need no reordered copy.
-    * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (non-differentiable log-sum-exp of the
+    * ``out [num_dst, H, C]``; ``lse [num_dst, H]`` (float64; non-differentiable log-sum-exp of the
       scores); ``alpha [E, H]`` after dropout if ``return_alpha`` else ``[0, H]``.
     * The reverse (source-grouped) index ``rev_*`` is only needed when a gradient is wanted.
 
@@ -503,6 +503,7 @@ def _gatv2_jvp(tangents, x_src, x_dst, att, ea, w, indptr, indices, mask, lse, n
     ea, t_ea = _csc_edge_attr(ea, edge_attr_rows), _csc_edge_attr(t_ea, edge_attr_rows)
     acc = _acc_dtype(x_src.dtype)
     cast = lambda t: None if t is None else t.to(acc)  # noqa: E731
+    lse = lse.to(acc)  # (float64 from the kernels) only a shift: alpha is renormalised below
     xs, xd, att_a, ea_a, w_a = map(cast, (x_src, x_dst, att, ea, w))
     t_xs, t_xd, t_att = map(cast, (t_xs, t_xd, t_att))
     t_ea = cast(t_ea) if ea is not None else None

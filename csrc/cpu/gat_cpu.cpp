@@ -55,7 +55,7 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
   const index_t* ptr = indptr.data_ptr<index_t>();
   const index_t* idx = indices.data_ptr<index_t>();
   scalar_t* o = out.data_ptr<scalar_t>();
-  acc_t* lse_p = lse.data_ptr<acc_t>();
+  double* lse_p = lse.data_ptr<double>();
   logit_t* al = alpha ? alpha->data_ptr<logit_t>() : nullptr;
   const acc_t slope = static_cast<acc_t>(negative_slope);
   const acc_t keep_scale = static_cast<acc_t>(dropout_scale);
@@ -127,7 +127,7 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
         scalar_t* oi = o + i * HC + h * C;
         const acc_t* a = acc.data() + h * C;
         for (int64_t c = 0; c < C; ++c) oi[c] = static_cast<scalar_t>(a[c] * inv);
-        lse_p[i * H + h] = empty ? neg_inf : run_max[h] + std::log(run_sum[h]);
+        lse_p[i * H + h] = empty ? -std::numeric_limits<double>::infinity() : lse_of(run_max[h], run_sum[h]);
       }
       if (al) {
         for (int64_t e = e0; e < e1; ++e) {
@@ -135,7 +135,9 @@ void forward_kernel(const at::Tensor& x_src, const at::Tensor& a_src, const at::
           for (int64_t h = 0; h < H; ++h) {
             acc_t z = static_cast<acc_t>(as[j * H + h]) + adst[h];
             if (el) z += static_cast<acc_t>(el[e * H + h]);
-            acc_t a = std::exp(leaky_relu(z, slope) - lse_p[i * H + h]);
+            // exp(s - max) / sum, not exp(s - lse): at large scores lse's rounding swamps the log-sum
+            const acc_t s = leaky_relu(z, slope);
+            acc_t a = (s == neg_inf ? acc_t(0) : std::exp(s - run_max[h])) / run_sum[h];
             if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
             al[e * H + h] = static_cast<logit_t>(a);
           }
@@ -183,7 +185,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   const scalar_t* g = grad_out.data_ptr<scalar_t>();
   const logit_t* ga = grad_alpha ? grad_alpha->data_ptr<logit_t>() : nullptr;
   const scalar_t* o = out.data_ptr<scalar_t>();
-  const acc_t* lse_p = lse.data_ptr<acc_t>();
+  const double* lse_p = lse.data_ptr<double>();
   const scalar_t* x = x_src.data_ptr<scalar_t>();
   const logit_t* as = a_src.data_ptr<logit_t>();
   const logit_t* ad = a_dst.data_ptr<logit_t>();
@@ -197,25 +199,25 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
   check_ptr_ends(ptr, num_dst, E, "indptr");
   check_ptr_ends(rev_indptr.data_ptr<index_t>(), num_src, E, "rev_indptr");
 
-  // Pass A, per destination: one record {a_dst, lse, D} of 3H values, so that pass B touches a
-  // single small line per edge for everything it needs of the destination.
-  at::Tensor rec_t = at::empty({num_dst, 3 * H}, acc_opts);
+  // Pass A, per destination: one record {a_dst, lse hi, lse lo, D} of 4H values (split_lse), so
+  // that pass B touches a single small line per edge for everything it needs of the destination.
+  at::Tensor rec_t = at::empty({num_dst, 4 * H}, acc_opts);
   acc_t* rec = rec_t.data_ptr<acc_t>();
   parallel_over_rows(ptr, num_dst, HC, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      acc_t* r = rec + i * 3 * H;
+      acc_t* r = rec + i * 4 * H;
       const int64_t e0 = ptr[i], e1 = ptr[i + 1];
       TORCH_CHECK(e0 <= e1 && e0 >= 0 && e1 <= E, "indptr must be non-decreasing and within [0, E]");
       for (int64_t h = 0; h < H; ++h) {
         r[h] = static_cast<acc_t>(ad[i * H + h]);
-        r[H + h] = lse_p[i * H + h];
+        split_lse(lse_p[i * H + h], r[H + h], r[2 * H + h]);
         acc_t d = 0;
         if (need_dz) {
           const scalar_t* gih = g + i * HC + h * C;
           const scalar_t* oih = o + i * HC + h * C;
           d = dot<acc_t>(gih, oih, C);
         }
-        r[2 * H + h] = d;
+        r[3 * H + h] = d;
       }
       if (need_dz && ga) {  // attention weights used directly: D gains sum_e A_e * dL/dA_e
         for (int64_t e = e0; e < e1; ++e) {
@@ -224,9 +226,9 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
           for (int64_t h = 0; h < H; ++h) {
             acc_t z = static_cast<acc_t>(as[j * H + h]) + r[h];
             if (el) z += static_cast<acc_t>(el[e * H + h]);
-            acc_t a = std::exp(leaky_relu(z, slope) - r[H + h]);
+            acc_t a = std::exp((leaky_relu(z, slope) - r[H + h]) - r[2 * H + h]);
             if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
-            r[2 * H + h] += a * static_cast<acc_t>(ga[e * H + h]);
+            r[3 * H + h] += a * static_cast<acc_t>(ga[e * H + h]);
           }
         }
       }
@@ -265,7 +267,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
           const int64_t in = rdst[k + kPrefetchDistance];
           if (in >= 0 && in < num_dst) {
             prefetch_row(g + in * HC, HC);
-            prefetch_row(rec + in * 3 * H, 3 * H);
+            prefetch_row(rec + in * 4 * H, 4 * H);
           }
           // The edge's own values sit at random places too (edge order is destination order):
           // its dz slot (for writing, or the store misses stall the loop) and its logit and mask.
@@ -277,7 +279,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
             if (ga) __builtin_prefetch(ga + en * H);
           }
         }
-        const acc_t* r = rec + i * 3 * H;
+        const acc_t* r = rec + i * 4 * H;
         const scalar_t* gi = g + i * HC;
         // Head loops split so that the elementwise ones vectorise (selects, no data-dependent
         // branches): alpha = exp(s - lse) and leaky_relu' for all heads; then the per-head row
@@ -289,7 +291,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
         }
         for (int64_t h = 0; h < H; ++h) {
           slope_grad[h] = leaky_relu_grad(zs[h], slope);
-          alphas[h] = leaky_relu(zs[h], slope) - r[H + h];
+          alphas[h] = (leaky_relu(zs[h], slope) - r[H + h]) - r[2 * H + h];
         }
         if (mk) {
           for (int64_t h = 0; h < H; ++h) keeps[h] = mk[e * H + h] ? keep_scale : acc_t(0);
@@ -310,7 +312,7 @@ void backward_kernel(const at::Tensor& grad_out, const at::Tensor* grad_alpha, c
           for (int64_t h = 0; h < H; ++h) {
             acc_t dA = dots[h];
             if (ga) dA += static_cast<acc_t>(ga[e * H + h]);
-            const acc_t dz = alphas[h] * (dA * keeps[h] - r[2 * H + h]) * slope_grad[h];
+            const acc_t dz = alphas[h] * (dA * keeps[h] - r[3 * H + h]) * slope_grad[h];
             accs[h] += dz;
             if (dz_ws) dz_ws[e * H + h] = dz;
           }

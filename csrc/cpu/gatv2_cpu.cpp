@@ -591,7 +591,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
   const index_t* ea_rows = a.edge_attr_rows.defined() ? a.edge_attr_rows.data_ptr<index_t>() : nullptr;
   const int64_t num_rows = a.edge_attr.defined() ? a.edge_attr.size(0) : 0;
   scalar_t* o = out.data_ptr<scalar_t>();
-  acc_t* lse_p = lse.data_ptr<acc_t>();
+  double* lse_p = lse.data_ptr<double>();
   scalar_t* al = alpha ? alpha->data_ptr<scalar_t>() : nullptr;
   const std::vector<acc_t> att_v = to_acc_vector<acc_t, scalar_t>(a.att);
   const std::vector<acc_t> w_v = to_acc_vector<acc_t, scalar_t>(a.edge_weight);
@@ -678,17 +678,18 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
         scalar_t* oi = o + i * HC + h * C;
         const acc_t* ah = acc.data() + h * C;
         for (int64_t c = 0; c < C; ++c) oi[c] = static_cast<scalar_t>(ah[c] * inv);
-        lse_p[i * H + h] = empty ? neg_inf : run_max[h] + std::log(run_sum[h]);
+        lse_p[i * H + h] = empty ? -std::numeric_limits<double>::infinity() : lse_of(run_max[h], run_sum[h]);
       }
       if (al) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];
           proj.preact(z.data(), xs + j * HC, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
-          for (int64_t h = 0; h < H; ++h) weight[h] = score[h] - lse_p[i * H + h];
+          // exp(s - max) / sum, not exp(s - lse): at large scores lse's rounding swamps the log-sum
+          for (int64_t h = 0; h < H; ++h) weight[h] = score[h] - run_max[h];
           exp_inplace(weight, H);
           for (int64_t h = 0; h < H; ++h) {
-            acc_t p = weight[h];
+            acc_t p = weight[h] / run_sum[h];
             if (mk) p = mk[e * H + h] ? p * keep_scale : acc_t(0);
             al[e * H + h] = static_cast<scalar_t>(p);
           }
@@ -743,7 +744,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
   const scalar_t* g = b.grad_out.data_ptr<scalar_t>();
   const scalar_t* ga = b.grad_alpha.defined() ? b.grad_alpha.data_ptr<scalar_t>() : nullptr;
   const scalar_t* o = b.out.data_ptr<scalar_t>();
-  const acc_t* lse_p = b.lse.data_ptr<acc_t>();
+  const double* lse_p = b.lse.data_ptr<double>();
   const scalar_t* xs = a.x_src.data_ptr<scalar_t>();
   const scalar_t* xd = a.x_dst.data_ptr<scalar_t>();
   const scalar_t* ea = a.edge_attr.defined() ? a.edge_attr.data_ptr<scalar_t>() : nullptr;
@@ -838,7 +839,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
       }
       n_batch = 0;
     };
-    std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H), aw(H);
+    std::vector<acc_t> score(H), alphas(H), keeps(H), dots(H), D(H), ds(H), aw(H), lse_hi(H), lse_lo(H);
     for (int64_t task = tbegin; task < tend; ++task) {
     acc_t* sx = n_groups ? sx_parts[task] : nullptr;
     if (sx) std::fill(sx, sx + num_src * HC, acc_t(0));
@@ -854,7 +855,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
         }
         for (int64_t f = 0; f < HC; ++f) xdi[f] = static_cast<acc_t>(xd[i * HC + f]);
         const scalar_t* gi = g + i * HC;
-        const acc_t* lse_i = lse_p + i * H;
+        for (int64_t h = 0; h < H; ++h) split_lse(lse_p[i * H + h], lse_hi[h], lse_lo[h]);
         for (int64_t h = 0; h < H; ++h) D[h] = dot<acc_t>(gi + h * C, o + i * HC + h * C, C);
         if (ga) {  // attention weights used directly: D gains sum_e A_e * dL/dA_e
           for (int64_t e = e0; e < e1; ++e) {
@@ -862,7 +863,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
             TORCH_CHECK(j >= 0 && j < num_src, "indices: source id ", j, " out of range [0, ", num_src, ")");
             proj.preact(z.data(), xs + j * HC, xdi.data(), e);
             head_scores(z.data(), att, slope, score.data(), H, C);
-            for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
+            for (int64_t h = 0; h < H; ++h) alphas[h] = (score[h] - lse_hi[h]) - lse_lo[h];
             exp_inplace(alphas.data(), H);
             for (int64_t h = 0; h < H; ++h) {
               const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
@@ -885,7 +886,7 @@ void backward_kernel(const Gatv2BackwardArgs& b, double negative_slope, double d
           const scalar_t* xj = xs + j * HC;
           proj.preact(z.data(), xj, xdi.data(), e);
           head_scores(z.data(), att, slope, score.data(), H, C);
-          for (int64_t h = 0; h < H; ++h) alphas[h] = score[h] - lse_i[h];
+          for (int64_t h = 0; h < H; ++h) alphas[h] = (score[h] - lse_hi[h]) - lse_lo[h];
           exp_inplace(alphas.data(), H);
           if (mk) {
             for (int64_t h = 0; h < H; ++h) keeps[h] = mk[e * H + h] ? keep_scale : acc_t(0);

@@ -49,7 +49,7 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const logit_t
                                    const logit_t* __restrict__ ad, const logit_t* __restrict__ el,
                                    const bool* __restrict__ mk, const index_t* __restrict__ ptr,
                                    const index_t* __restrict__ idx, scalar_t* __restrict__ out,
-                                   at::opmath_type<scalar_t>* __restrict__ lse, logit_t* __restrict__ alpha,
+                                   double* __restrict__ lse, logit_t* __restrict__ alpha,
                                    int64_t num_src, int64_t num_dst, int64_t E, int64_t H, int64_t C,
                                    at::opmath_type<scalar_t> slope, at::opmath_type<scalar_t> keep_scale) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -99,12 +99,13 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const logit_t
     const bool empty = e0 == e1;
     out[i * HC + f] = static_cast<scalar_t>(empty ? acc_t(0) : acc / run_sum);
     if (head_leader) {
-      const acc_t l = empty ? neg_inf : run_max + dev_log(run_sum);
-      lse[i * H + h] = l;
+      lse[i * H + h] = empty ? -std::numeric_limits<double>::infinity() : lse_of(run_max, run_sum);
       if (alpha) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];
-          acc_t a = dev_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
+          // exp(s - max) / sum, not exp(s - lse): at large scores lse's rounding swamps the log-sum
+          const acc_t s = leaky_relu(score_logit(as, el, j, e, h, H, adst), slope);
+          acc_t a = (s == neg_inf ? acc_t(0) : dev_exp(s - run_max)) / run_sum;
           if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
           alpha[e * H + h] = static_cast<logit_t>(a);
         }
@@ -116,7 +117,7 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const logit_t
 template <typename scalar_t, typename logit_t, typename index_t>
 __global__ void gat_backward_dst_kernel(
     const scalar_t* __restrict__ g, const logit_t* __restrict__ ga, const scalar_t* __restrict__ o,
-    const at::opmath_type<scalar_t>* __restrict__ lse, const scalar_t* __restrict__ x,
+    const double* __restrict__ lse, const scalar_t* __restrict__ x,
     const logit_t* __restrict__ as, const logit_t* __restrict__ ad, const logit_t* __restrict__ el,
     const bool* __restrict__ mk, const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
     at::opmath_type<scalar_t>* __restrict__ dz_ws, at::opmath_type<scalar_t>* __restrict__ w_ws,
@@ -133,7 +134,8 @@ __global__ void gat_backward_dst_kernel(
     const int64_t e0 = ptr[i], e1 = ptr[i + 1];
     check_edge_range(e0, e1, i, num_dst, E);
     const acc_t adst = static_cast<acc_t>(ad[i * H + h]);
-    const acc_t l = lse[i * H + h];
+    acc_t l_hi, l_lo;  // exp((s - l_hi) - l_lo): see kLseType
+    split_lse(lse[i * H + h], l_hi, l_lo);
     const scalar_t* gih = g + i * HC + h * C;
     acc_t D = 0;
     if (need_dz) {
@@ -144,7 +146,7 @@ __global__ void gat_backward_dst_kernel(
         for (int64_t e = e0 + lane; e < e1; e += kWarp) {
           const int64_t j = idx[e];
           CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
-          acc_t a = dev_exp(leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l);
+          acc_t a = dev_exp((leaky_relu(score_logit(as, el, j, e, h, H, adst), slope) - l_hi) - l_lo);
           if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
           part += a * static_cast<acc_t>(ga[e * H + h]);
         }
@@ -156,7 +158,7 @@ __global__ void gat_backward_dst_kernel(
       const int64_t j = idx[e];
       CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
       const acc_t z = score_logit(as, el, j, e, h, H, adst);
-      const acc_t alpha = dev_exp(leaky_relu(z, slope) - l);
+      const acc_t alpha = dev_exp((leaky_relu(z, slope) - l_hi) - l_lo);
       const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
       if (need_dz) {
         acc_t part = 0;
@@ -233,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gat_forward_cuda(
         kernel<<<grid, block, 0, stream>>>(
             a.x_src.data_ptr<scalar_t>(), a.a_src.data_ptr<logit_t>(), a.a_dst.data_ptr<logit_t>(),
             ptr_or_null<logit_t>(a.edge_logits), ptr_or_null<bool>(a.dropout_mask), a.indptr.data_ptr<index_t>(),
-            a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+            a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<double>(),
             return_alpha ? alpha.data_ptr<logit_t>() : nullptr, a.x_src.size(0), num_dst, a.indices.numel(), H, C,
             static_cast<acc_t>(negative_slope), static_cast<acc_t>(dropout_scale));
         C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -284,7 +286,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gat_backward_cuda(
             std::max<int64_t>(1, std::min<int64_t>((pairs + warps_per_block - 1) / warps_per_block, kMaxBlocks)));
         gat_backward_dst_kernel<scalar_t, logit_t, index_t><<<blocks1, kThreads, 0, stream>>>(
             a.grad_out.data_ptr<scalar_t>(), ptr_or_null<logit_t>(a.grad_alpha), a.out.data_ptr<scalar_t>(),
-            a.lse.data_ptr<acc_t>(), f.x_src.data_ptr<scalar_t>(), f.a_src.data_ptr<logit_t>(),
+            a.lse.data_ptr<double>(), f.x_src.data_ptr<scalar_t>(), f.a_src.data_ptr<logit_t>(),
             f.a_dst.data_ptr<logit_t>(), ptr_or_null<logit_t>(f.edge_logits), ptr_or_null<bool>(f.dropout_mask),
             f.indptr.data_ptr<index_t>(), f.indices.data_ptr<index_t>(), ptr_or_null<acc_t>(dz_ws),
             ptr_or_null<acc_t>(w_ws), a.want_a_dst ? gad.data_ptr<logit_t>() : nullptr,

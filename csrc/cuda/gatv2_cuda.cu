@@ -111,7 +111,7 @@ template <typename scalar_t, typename index_t, int kEdgeBatch>
 __global__ void gatv2_forward_kernel(Preact<scalar_t, index_t> P, const bool* __restrict__ mk,
                                      const index_t* __restrict__ ptr, const index_t* __restrict__ idx,
                                      scalar_t* __restrict__ out,
-                                     at::opmath_type<scalar_t>* __restrict__ lse, scalar_t* __restrict__ alpha,
+                                     double* __restrict__ lse, scalar_t* __restrict__ alpha,
                                      int64_t num_src, int64_t num_dst, int64_t E, int64_t n_cb,
                                      at::opmath_type<scalar_t> keep_scale) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -174,12 +174,13 @@ __global__ void gatv2_forward_kernel(Preact<scalar_t, index_t> P, const bool* __
       if (c < C) out[i * HC + h * C + c] = static_cast<scalar_t>(empty ? acc_t(0) : acc[v] / run_sum);
     }
     if (cb == 0) {
-      const acc_t l = empty ? neg_inf : run_max + dev_log(run_sum);
-      if (lane == 0) lse[i * H + h] = l;
+      if (lane == 0) lse[i * H + h] = empty ? -std::numeric_limits<double>::infinity() : lse_of(run_max, run_sum);
       if (alpha) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];
-          acc_t a = dev_exp(P.score(j, i, e, h, lane) - l);
+          // exp(s - max) / sum, not exp(s - lse): at large scores lse's rounding swamps the log-sum
+          const acc_t s = P.score(j, i, e, h, lane);
+          acc_t a = (s == neg_inf ? acc_t(0) : dev_exp(s - run_max)) / run_sum;
           if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
           if (lane == 0) alpha[e * H + h] = static_cast<scalar_t>(a);
         }
@@ -191,7 +192,7 @@ __global__ void gatv2_forward_kernel(Preact<scalar_t, index_t> P, const bool* __
 template <typename scalar_t, typename index_t>
 __global__ void gatv2_backward_dst_kernel(
     Preact<scalar_t, index_t> P, const scalar_t* __restrict__ g, const scalar_t* __restrict__ ga,
-    const scalar_t* __restrict__ o, const at::opmath_type<scalar_t>* __restrict__ lse, const bool* __restrict__ mk,
+    const scalar_t* __restrict__ o, const double* __restrict__ lse, const bool* __restrict__ mk,
     const index_t* __restrict__ ptr, const index_t* __restrict__ idx, at::opmath_type<scalar_t>* __restrict__ ds_ws,
     at::opmath_type<scalar_t>* __restrict__ aw_ws, scalar_t* __restrict__ gxd, scalar_t* __restrict__ gea_direct,
     int64_t num_src, int64_t num_dst, int64_t E, int64_t n_cb, at::opmath_type<scalar_t> keep_scale) {
@@ -205,7 +206,8 @@ __global__ void gatv2_backward_dst_kernel(
     const int64_t i = item / (H * n_cb), h = (item / n_cb) % H, cb = item % n_cb;
     const int64_t e0 = ptr[i], e1 = ptr[i + 1];
     check_edge_range(e0, e1, i, num_dst, E);
-    const acc_t l = lse[i * H + h];
+    acc_t l_hi, l_lo;  // exp((s - l_hi) - l_lo): see kLseType
+    split_lse(lse[i * H + h], l_hi, l_lo);
     const scalar_t* gih = g + i * HC + h * C;
     acc_t part = 0;
     for (int64_t c = lane; c < C; c += kWarp)
@@ -215,7 +217,7 @@ __global__ void gatv2_backward_dst_kernel(
       for (int64_t e = e0; e < e1; ++e) {
         const int64_t j = idx[e];
         CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
-        acc_t a = dev_exp(P.score(j, i, e, h, lane) - l);
+        acc_t a = dev_exp((P.score(j, i, e, h, lane) - l_hi) - l_lo);
         if (mk) a = mk[e * H + h] ? a * keep_scale : acc_t(0);
         D += a * static_cast<acc_t>(ga[e * H + h]);
       }
@@ -226,7 +228,7 @@ __global__ void gatv2_backward_dst_kernel(
     for (int64_t e = e0; e < e1; ++e) {
       const int64_t j = idx[e];
       CUDA_KERNEL_ASSERT(j >= 0 && j < num_src && "indices: source id out of range");
-      const acc_t alpha = dev_exp(P.score(j, i, e, h, lane) - l);
+      const acc_t alpha = dev_exp((P.score(j, i, e, h, lane) - l_hi) - l_lo);
       const acc_t keep = mk ? (mk[e * H + h] ? keep_scale : acc_t(0)) : acc_t(1);
       acc_t dpart = 0;
       for (int64_t c = lane; c < C; c += kWarp)
@@ -433,7 +435,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gatv2_forward_cuda(
                                                             : gatv2_forward_kernel<scalar_t, index_t, 2>;
       kernel<<<blocks, kThreads, 0, stream>>>(
           make_preact<scalar_t, index_t>(a, negative_slope), ptr_or_null<bool>(a.dropout_mask),
-          a.indptr.data_ptr<index_t>(), a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<acc_t>(),
+          a.indptr.data_ptr<index_t>(), a.indices.data_ptr<index_t>(), out.data_ptr<scalar_t>(), lse.data_ptr<double>(),
           return_alpha ? alpha.data_ptr<scalar_t>() : nullptr, a.x_src.size(0), num_dst, a.indices.numel(), n_cb,
           static_cast<acc_t>(dropout_scale));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -499,7 +501,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
       const index_t* idx = a.indices.data_ptr<index_t>();
       gatv2_backward_dst_kernel<scalar_t, index_t><<<warp_grid(num_dst * H * n_cb), kThreads, 0, stream>>>(
           P, b.grad_out.data_ptr<scalar_t>(), ptr_or_null<scalar_t>(b.grad_alpha), b.out.data_ptr<scalar_t>(),
-          b.lse.data_ptr<acc_t>(), ptr_or_null<bool>(a.dropout_mask), ptr, idx, ptr_or_null<acc_t>(ds_ws),
+          b.lse.data_ptr<double>(), ptr_or_null<bool>(a.dropout_mask), ptr, idx, ptr_or_null<acc_t>(ds_ws),
           ptr_or_null<acc_t>(aw_ws), b.want_x_dst ? gxd.data_ptr<scalar_t>() : nullptr,
           b.want_edge_attr && !project ? gea.data_ptr<scalar_t>() : nullptr, num_src, num_dst, E, n_cb,
           static_cast<acc_t>(dropout_scale));

@@ -4,7 +4,7 @@ Accepts what PyG's message passing accepts: a ``[2, E]`` Tensor or ``EdgeIndex``
 source), a ``torch.sparse`` (COO/CSR/CSC) or ``torch_sparse.SparseTensor`` *transposed* adjacency
 ``adj_t [num_dst, num_src]``. The conversion (:func:`torch_gradops.graph.csc_from_edges`, with
 PyG's self-loop handling) is cached by the adjacency object's identity and ``_version`` (and, for
-a CPU edge_index or ``SparseTensor``, a key of its ids' values, :func:`_content_key`) and shared
+a CPU edge_index or ``SparseTensor``, a key of its ids' values, :func:`content_key`) and shared
 by every layer, so a whole model converts each graph once; a CSR ``adj_t``, a ``SparseTensor`` or
 an ``EdgeIndex`` sorted by column (destination) is converted without any sort.
 """
@@ -28,15 +28,16 @@ from .._segments import index_add_rows
 from ..graph import BipartiteCSC, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
-           "num_edges", "layer_edge_dim", "edge_attr_2d", "loop_edge_attr", "layer_edge_features", "EDGE_FEATURE_CACHE",
-           "attention_result", "needs_message_passing", "coalesced_adjacency", "FusedMessagePassing"]
+           "content_key", "KEY_CHUNK", "num_edges", "layer_edge_dim", "edge_attr_2d", "loop_edge_attr",
+           "layer_edge_features", "EDGE_FEATURE_CACHE", "attention_result", "needs_message_passing",
+           "coalesced_adjacency", "FusedMessagePassing"]
 
 try:  # PyG >= 2.5
     from torch_geometric import EdgeIndex
 except ImportError:  # pragma: no cover
     EdgeIndex = None
 
-# edge_index object -> {(num_src, num_dst, num_loops): ((edge_index._version, _content_key), BipartiteCSC)}.
+# edge_index object -> {(num_src, num_dst, num_loops): ((edge_index._version, content_key), BipartiteCSC)}.
 # Keyed by identity and held weakly: an entry lives exactly as long as the user's edge_index,
 # and is shared by all layers, so a whole model converts each graph once.
 CSC_CACHE = WeakIdKeyDictionary()
@@ -62,36 +63,33 @@ def _version(t) -> Optional[int]:
         return None
 
 
-_KEY_CHUNK = 1 << 16  # ids per step of _ids_key
-_KEY_WEIGHTS: Optional[Tensor] = None  # _KEY_CHUNK float64 weights in [1, 2), one per offset in a chunk
+KEY_CHUNK = 1 << 16  # ids per step of _ids_key
+# KEY_CHUNK float64 weights in [1, 2), one per offset in a chunk: drawn once, at import, with
+# Python's random (torch's RNG refuses to run inside vmap, where a layer's first call may come).
+_KEY_RNG = random.Random(0x5EED)
+_KEY_WEIGHTS = torch.tensor([1.0 + _KEY_RNG.random() for _ in range(KEY_CHUNK)], dtype=torch.float64)
 
 
 def _ids_key(ids: Tensor) -> Tuple[int, int, int]:
     """Length, sum, and a hash of position-weighted float64 sums of an integer tensor's values:
-    per chunk of ``_KEY_CHUNK`` values, the sum of each value times a fixed random weight of its
+    per chunk of ``KEY_CHUNK`` values, the sum of each value times a fixed random weight of its
     offset (the chunks' sums hashed as a tuple, so a change in one is not lost in the rounding of
     a total). Moving two values ``a != b`` within a chunk changes its sum by ``(a - b) (w_i -
     w_j)``, far above its rounding unless the two weights nearly coincide; between chunks, or
     changing a value, changes the sums by a multiple of a weight. Random, not a regular sequence:
     with weights ``1 + frac(k * golden ratio)`` the swap of an edge (both its ids) cancelled in
-    1.2% of the swaps on small graphs, the two ids' changes having equal weight differences. The
-    weights come from Python's ``random``, not torch's RNG: a first call may come inside vmap,
-    which refuses random operations. Float64 products and sums:
-    torch's int64 multiplies take 1.6-12 ns per element on CPU, and XOR-based keys (no multiply)
-    only see their masks' low bits for small ids."""
-    global _KEY_WEIGHTS
-    if _KEY_WEIGHTS is None:
-        rng = random.Random(0x5EED)
-        _KEY_WEIGHTS = torch.tensor([1.0 + rng.random() for _ in range(_KEY_CHUNK)], dtype=torch.float64)
+    1.2% of the swaps on small graphs, the two ids' changes having equal weight differences. Float64
+    products and sums: torch's int64 multiplies take 1.6-12 ns per element on CPU, and XOR-based
+    keys (no multiply) only see their masks' low bits for small ids."""
     ids = ids.detach().reshape(-1)
     sums = []
-    for start in range(0, ids.numel(), _KEY_CHUNK):
-        part = ids[start:start + _KEY_CHUNK].to(torch.float64)
+    for start in range(0, ids.numel(), KEY_CHUNK):
+        part = ids[start:start + KEY_CHUNK].to(torch.float64)
         sums.append(float(torch.dot(part, _KEY_WEIGHTS[:part.numel()])))
     return (ids.numel(), int(ids.sum(dtype=torch.int64)), hash(tuple(sums)))
 
 
-def _content_key(edge_index) -> Optional[Tuple]:
+def content_key(edge_index) -> Optional[Tuple]:
     """For a CPU ``[2, E]`` Tensor or ``EdgeIndex``: its length, the sum of its ids and a hash
     of position-weighted sums of them (:func:`_ids_key`), which a cache hit must match too; for a
     CPU ``SparseTensor`` (which has no version counter at all) the same of its row pointers and
@@ -115,7 +113,7 @@ _KEY_ROWS = 1 << 16  # rows per GEMV of _feature_key: a half or integer chunk is
 def _feature_key(edge_attr: Tensor) -> Optional[float]:
     """For CPU edge features ``[E, ...]``: a weighted sum of every value (weights that differ per
     column and per row), which a cache hit of :data:`EDGE_FEATURE_CACHE` must match too, for the
-    writes that bypass the version counter (see :func:`_content_key`). Each row's weighted sum is
+    writes that bypass the version counter (see :func:`content_key`). Each row's weighted sum is
     a GEMV in float32 (float64 for float64 and integer features; half types and integers widened
     a chunk of rows at a time; complex as real pairs), summed over the rows in float64. A change
     smaller than the rounding of a row's weighted sum can go unseen; its effect on a layer's
@@ -249,7 +247,7 @@ def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) 
         # in-place edit of it could not be told from a cache hit.
         return build()
     key = (num_src, num_dst, num_loops)
-    version = (_version(edge_index), _content_key(edge_index))
+    version = (_version(edge_index), content_key(edge_index))
     entries = CSC_CACHE.get(edge_index)
     if entries is not None:
         hit = entries.get(key)
