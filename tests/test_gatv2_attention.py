@@ -1003,26 +1003,32 @@ def test_repeated_rows_sum_in_the_differentiable_backward():
         torch.autograd.grad(tg.GATv2AttentionFunction.apply(x, xd, att, ea, w, *tail, twice)[0], ea, go)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_returned_attention_at_large_scores(device):
-    """alpha from return_attention is exp(s - max) / sum: formed as exp(s - lse), large float32
-    scores lost the log-sum to lse's rounding (two tied edges at scores of 2^23 got 0.37 or 1
-    instead of 0.5). Integer inputs and a slope of 1/4 keep every score exact in float32, and
-    sources come in pairs with equal rows, so each destination's best score is tied."""
-    g = torch.Generator().manual_seed(7)
+def tied_exact_scores(seed, device):
+    """A graph and inputs whose GATv2 scores are exact in float32 at every scale (integer rows, a
+    slope of 1/4) with each destination's best score tied: sources come in pairs with equal rows
+    and a destination hears both of each pair. Yields ``(ei, graph, (x_src, x_dst, att), scale)``
+    for scores of about 2^6 and 2^23 (float32 ulp 2 there, so a float32 lse rounds log(2) away)."""
+    g = torch.Generator().manual_seed(seed)
     ns, nd, heads, c = 16, 6, 2, 4
     src = torch.cat([torch.randperm(ns // 2, generator=g)[:3] for _ in range(nd)]) * 2
     src = torch.stack([src, src + 1], 1).reshape(-1)  # both sources of each pair
-    dst = torch.arange(nd).repeat_interleave(6)
-    ei = torch.stack([src, dst]).to(device)
+    ei = torch.stack([src, torch.arange(nd).repeat_interleave(6)]).to(device)
     graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
     for scale in (2.0 ** 6, 2.0 ** 17):
         rows = torch.randint(-8, 9, (ns // 2, heads, c), generator=g).repeat_interleave(2, 0) * scale
         x_dst = torch.randint(-4, 5, (nd, heads, c), generator=g) * 4.0
         att = torch.randint(-2, 3, (heads, c), generator=g).float()
-        inputs = [t.float().to(device) for t in (rows, x_dst, att)]
+        yield ei, graph, [t.float().to(device) for t in (rows, x_dst, att)], scale
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_returned_attention_at_large_scores(device):
+    """alpha from return_attention is exp(s - max) / sum: formed as exp(s - lse), large float32
+    scores lost the log-sum to lse's rounding (two tied edges at scores of 2^23 got 0.37 or 1
+    instead of 0.5)."""
+    for ei, graph, inputs, scale in tied_exact_scores(7, device):
         _, alpha = tg.gatv2_attention(*inputs, graph, 0.25, return_attention=True)
-        _, ref = gatv2_reference(*[t.double() for t in inputs], ei, nd, 0.25)
+        _, ref = gatv2_reference(*[t.double() for t in inputs], ei, graph.num_dst, 0.25)
         torch.testing.assert_close(alpha.double(), ref, atol=1e-6, rtol=1e-6, msg=f"scale {scale:g}")
 
 
@@ -1030,24 +1036,14 @@ def test_returned_attention_at_large_scores(device):
 def test_gradients_at_large_scores(device):
     """The backward forms its weights as exp(s - lse) from a float64 lse, split into two parts of
     the accumulation type: with a float32 lse, tied best edges at exact scores of 2^23 got
-    weights of 0.37 or 1 instead of 0.5 in the backward, and gradients to match. The inputs of
-    test_returned_attention_at_large_scores: every score exact in float32."""
+    weights of 0.37 or 1 instead of 0.5 in the backward, and gradients to match."""
     g = torch.Generator().manual_seed(9)
-    ns, nd, heads, c = 16, 6, 2, 4
-    src = torch.cat([torch.randperm(ns // 2, generator=g)[:3] for _ in range(nd)]) * 2
-    src = torch.stack([src, src + 1], 1).reshape(-1)
-    dst = torch.arange(nd).repeat_interleave(6)
-    ei = torch.stack([src, dst]).to(device)
-    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
-    for scale in (2.0 ** 6, 2.0 ** 17):
-        rows = torch.randint(-8, 9, (ns // 2, heads, c), generator=g).repeat_interleave(2, 0) * scale
-        x_dst = torch.randint(-4, 5, (nd, heads, c), generator=g) * 4.0
-        att = torch.randint(-2, 3, (heads, c), generator=g).float()
-        weight = torch.randn(nd, heads, c, generator=g)
-        f32 = [t.float().to(device).requires_grad_() for t in (rows, x_dst, att)]
+    for ei, graph, inputs, scale in tied_exact_scores(9, device):
+        weight = torch.randn(graph.num_dst, *inputs[0].shape[1:], generator=g).to(device)
+        f32 = [t.requires_grad_() for t in inputs]
         f64 = [t.detach().double().requires_grad_() for t in f32]
-        got = torch.autograd.grad((tg.gatv2_attention(*f32, graph, 0.25) * weight.to(device)).sum(), f32)
-        ref = torch.autograd.grad((gatv2_reference(*f64, ei, nd, 0.25)[0] * weight.double().to(device)).sum(), f64)
+        got = torch.autograd.grad((tg.gatv2_attention(*f32, graph, 0.25) * weight).sum(), f32)
+        ref = torch.autograd.grad((gatv2_reference(*f64, ei, graph.num_dst, 0.25)[0] * weight.double()).sum(), f64)
         for name, a, b in zip(("x_src", "x_dst", "att"), got, ref):
             torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-4 * b.abs().max().item(),
                                        msg=f"{name} at scale {scale:g}")
