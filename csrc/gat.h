@@ -175,7 +175,8 @@ GRADOPS_HD void split_lse(double lse, acc_t& hi, acc_t& lo) {
   hi = static_cast<acc_t>(lse);
   lo = static_cast<acc_t>(lse - static_cast<double>(hi));
 }
-// The log-sum-exp the forwards save: max + log(sum), in float64.
+// The log-sum-exp the forwards save: max + log(sum), in float64; -inf for a destination without
+// edges (max -inf, sum 0), as for one whose every score is -inf.
 template <typename acc_t>
 GRADOPS_HD double lse_of(acc_t run_max, acc_t run_sum) {
   return static_cast<double>(run_max) + log(static_cast<double>(run_sum));

@@ -353,8 +353,9 @@ class _EdgeSoftmax(torch.autograd.Function):
     """Softmax of edge scores ``s [E, H]`` (CSC order) over each destination's incoming edges.
 
     ``lse [num_dst, H]`` (the forward kernel's log-sum-exp, float64) only shifts the exponent
-    for stability (taken in the scores' dtype); the result is renormalised, so it is exact. Saves only its output: inside a
-    double backward the recorded graph keeps one ``E x H`` tensor here, not every temporary."""
+    for stability (taken in the scores' dtype); the result is renormalised, so it is exact.
+    Saves only its output: inside a double backward the recorded graph keeps one ``E x H``
+    tensor here, not every temporary."""
     generate_vmap_rule = True
 
     @staticmethod

@@ -678,7 +678,7 @@ void forward_kernel(const Gatv2ForwardArgs& a, double negative_slope, double dro
         scalar_t* oi = o + i * HC + h * C;
         const acc_t* ah = acc.data() + h * C;
         for (int64_t c = 0; c < C; ++c) oi[c] = static_cast<scalar_t>(ah[c] * inv);
-        lse_p[i * H + h] = empty ? -std::numeric_limits<double>::infinity() : lse_of(run_max[h], run_sum[h]);
+        lse_p[i * H + h] = lse_of(run_max[h], run_sum[h]);
       }
       if (al) {
         for (int64_t e = e0; e < e1; ++e) {

@@ -99,7 +99,7 @@ __global__ void gat_forward_kernel(const scalar_t* __restrict__ x, const logit_t
     const bool empty = e0 == e1;
     out[i * HC + f] = static_cast<scalar_t>(empty ? acc_t(0) : acc / run_sum);
     if (head_leader) {
-      lse[i * H + h] = empty ? -std::numeric_limits<double>::infinity() : lse_of(run_max, run_sum);
+      lse[i * H + h] = lse_of(run_max, run_sum);
       if (alpha) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];

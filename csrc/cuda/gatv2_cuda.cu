@@ -174,7 +174,7 @@ __global__ void gatv2_forward_kernel(Preact<scalar_t, index_t> P, const bool* __
       if (c < C) out[i * HC + h * C + c] = static_cast<scalar_t>(empty ? acc_t(0) : acc[v] / run_sum);
     }
     if (cb == 0) {
-      if (lane == 0) lse[i * H + h] = empty ? -std::numeric_limits<double>::infinity() : lse_of(run_max, run_sum);
+      if (lane == 0) lse[i * H + h] = lse_of(run_max, run_sum);
       if (alpha) {
         for (int64_t e = e0; e < e1; ++e) {
           const int64_t j = idx[e];

@@ -10,6 +10,7 @@ an ``EdgeIndex`` sorted by column (destination) is converted without any sort.
 """
 from __future__ import annotations
 
+import functools
 import random
 import weakref
 from typing import Optional, Tuple
@@ -64,10 +65,15 @@ def _version(t) -> Optional[int]:
 
 
 KEY_CHUNK = 1 << 16  # ids per step of _ids_key
-# KEY_CHUNK float64 weights in [1, 2), one per offset in a chunk: drawn once, at import, with
-# Python's random (torch's RNG refuses to run inside vmap, where a layer's first call may come).
-_KEY_RNG = random.Random(0x5EED)
-_KEY_WEIGHTS = torch.tensor([1.0 + _KEY_RNG.random() for _ in range(KEY_CHUNK)], dtype=torch.float64)
+
+
+@functools.lru_cache(maxsize=1)
+def _key_weights() -> Tensor:
+    """``KEY_CHUNK`` float64 weights in [1, 2), one per offset in a chunk: drawn once, on the
+    first key, with Python's random (torch's RNG refuses to run inside vmap, where a layer's
+    first call may come)."""
+    rng = random.Random(0x5EED)
+    return torch.tensor([1.0 + rng.random() for _ in range(KEY_CHUNK)], dtype=torch.float64)
 
 
 def _ids_key(ids: Tensor) -> Tuple[int, int, int]:
@@ -78,14 +84,15 @@ def _ids_key(ids: Tensor) -> Tuple[int, int, int]:
     w_j)``, far above its rounding unless the two weights nearly coincide; between chunks, or
     changing a value, changes the sums by a multiple of a weight. Random, not a regular sequence:
     with weights ``1 + frac(k * golden ratio)`` the swap of an edge (both its ids) cancelled in
-    1.2% of the swaps on small graphs, the two ids' changes having equal weight differences. Float64
-    products and sums: torch's int64 multiplies take 1.6-12 ns per element on CPU, and XOR-based
-    keys (no multiply) only see their masks' low bits for small ids."""
+    1.2% of the swaps on small graphs, the two ids' changes having equal weight differences.
+    Float64 products and sums: torch's int64 multiplies take 1.6-12 ns per element on CPU, and
+    XOR-based keys (no multiply) only see their masks' low bits for small ids."""
     ids = ids.detach().reshape(-1)
+    weights = _key_weights()
     sums = []
     for start in range(0, ids.numel(), KEY_CHUNK):
         part = ids[start:start + KEY_CHUNK].to(torch.float64)
-        sums.append(float(torch.dot(part, _KEY_WEIGHTS[:part.numel()])))
+        sums.append(float(torch.dot(part, weights[:part.numel()])))
     return (ids.numel(), int(ids.sum(dtype=torch.int64)), hash(tuple(sums)))
 
 
@@ -93,11 +100,10 @@ def content_key(edge_index) -> Optional[Tuple]:
     """For a CPU ``[2, E]`` Tensor or ``EdgeIndex``: its length, the sum of its ids and a hash
     of position-weighted sums of them (:func:`_ids_key`), which a cache hit must match too; for a
     CPU ``SparseTensor`` (which has no version counter at all) the same of its row pointers and
-    column ids. Writes that bypass
-    the version counter (a ``torch.from_numpy`` buffer edited through numpy, ``.data``, DLPack,
-    a ``SparseTensor``'s ``storage.col()`` edited in place) change it without a new version. About
-    a tenth of a conversion or less (8-22 ms against 139-272 ms for 10^6 edges, one thread, Xeon
-    VM shared with other work, 2026-11-29).
+    column ids. Writes that bypass the version counter (a ``torch.from_numpy`` buffer edited
+    through numpy, ``.data``, DLPack, a ``SparseTensor``'s ``storage.col()`` edited in place)
+    change it without a new version. About a tenth of a conversion or less (8-22 ms against
+    139-272 ms for 10^6 edges, one thread, Xeon VM shared with other work, 2026-11-29).
     None elsewhere: on a GPU the comparison would synchronise, and ``torch.sparse`` adjacencies
     keep their ids in other layouts."""
     if isinstance(edge_index, SparseTensor) and edge_index.device().type == "cpu":
