@@ -240,6 +240,22 @@ def test_dropout_rate_and_seed(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_dropout_one(device):
+    """dropout=1 as F.dropout(p=1): in training every weight is dropped (zero output, weights and
+    gradients, none NaN); in eval it is ignored like any rate."""
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=8)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, device)
+    out, alpha = tg.gat_attention(*inputs[:3], graph, 0.2, inputs[3], dropout=1.0, training=True,
+                                  return_attention=True)
+    assert not out.any() and not alpha.any()
+    grads = torch.autograd.grad((out, alpha), inputs, (torch.randn_like(out), torch.randn_like(alpha)))
+    assert all(not g.any() for g in grads)
+    out_eval = tg.gat_attention(*inputs[:3], graph, 0.2, inputs[3], dropout=1.0, training=False)
+    torch.testing.assert_close(out_eval, gat_reference(*inputs[:3], ei, nd, 0.2, inputs[3])[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_backward_is_bitwise_deterministic(device):
     g = torch.Generator().manual_seed(0)
     n, e = 400, 8000  # hub-heavy: many edges per source, so summation order matters
@@ -731,7 +747,7 @@ def test_bad_op_inputs_raise_clear_errors():
         (dict(x_src=x.half(), a_dst=a_dst.half()), TypeError, r"a_dst .* must have the dtype of a_src"),
         (dict(x_src=x.half(), edge_logits=el.half()), TypeError, r"edge_logits .* must have the dtype of a_src"),
         (dict(dropout=-0.1), ValueError, "dropout must be in"),
-        (dict(dropout=1.0), ValueError, "dropout must be in"),
+        (dict(dropout=1.5), ValueError, "dropout must be in"),
         (dict(graph=ei), TypeError, "graph must be a torch_gradops.BipartiteCSC"),
         (dict(a_src=a_src.to("meta")), ValueError, "a_src .* must be on the device of x_src"),
     ]

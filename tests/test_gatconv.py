@@ -311,10 +311,14 @@ def test_training_dropout_distribution():
 
 
 def test_dropout_one_zeroes_attention():
-    _, ours = pair(8, 4, heads=2, dropout=1.0, bias=False)
+    """dropout=1 in training drops every weight, deterministically: outputs, attention and
+    gradients equal PyG's (bias only, zeros, the bias's and nothing else's gradient)."""
+    theirs, ours = pair(8, 4, heads=2, dropout=1.0, edge_dim=3)
+    theirs.train()
     ours.train()
-    out = ours(torch.randn(10, 8), random_graph(10, 10, 30))
-    assert not out.abs().any()
+    x, ei = torch.randn(10, 8), random_graph(10, 10, 30)
+    out = run_both(theirs, ours, x, ei, torch.randn(30, 3))
+    assert torch.equal(out, ours.bias.detach().expand_as(out))
 
 
 # ------------------------------------------------------------------------------ dtypes

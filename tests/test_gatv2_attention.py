@@ -354,6 +354,19 @@ def test_dropout_rate_and_seed(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_dropout_one(device):
+    """As GAT's: dropout=1 drops every weight in training (zeros, no NaN) and is ignored in eval."""
+    ei, ns, nd = make_graph("random", torch.int64, device, seed=8)
+    graph = tg.BipartiteCSC.from_edge_index(ei, ns, nd)
+    inputs = make_inputs(ns, nd, ei.size(1), 2, 3, torch.float64, device)
+    out, alpha = call(inputs, graph, dropout=1.0, training=True, return_attention=True)
+    assert not out.any() and not alpha.any()
+    grads = grads_of((out, alpha), inputs, (torch.randn_like(out), torch.randn_like(alpha)))
+    assert all(g is None or not g.any() for g in grads)
+    torch.testing.assert_close(call(inputs, graph, dropout=1.0, training=False), reference(inputs, ei, nd)[0])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("edge_mode", ["project", "direct"])
 def test_backward_is_bitwise_deterministic(edge_mode, device):
     g = torch.Generator().manual_seed(0)
@@ -607,7 +620,7 @@ def test_bad_op_inputs_raise_clear_errors():
         (dict(edge_attr=ea.long()), TypeError, "edge_attr must be float"),
         (dict(edge_attr=ea.view(-1)[:E]), ValueError, "edge_attr must have shape"),
         (dict(dropout=-0.1), ValueError, "dropout must be in"),
-        (dict(dropout=1.0), ValueError, "dropout must be in"),
+        (dict(dropout=1.5), ValueError, "dropout must be in"),
         (dict(graph=ei), TypeError, "graph must be a torch_gradops.BipartiteCSC"),
         (dict(att=att.to("meta")), ValueError, r"att .* must be on the device of x_src"),
         (dict(edge_weight=w.to("meta")), ValueError, r"edge_weight .* must be on the device of x_src"),

@@ -683,7 +683,11 @@ def _dropout_mask(num_edges: int, heads: int, dropout: float, device: torch.devi
     On CUDA the draw goes straight into the bool mask: ``rand >= dropout`` first holds a float
     per element, 4 bytes per edge and head (1.6 GB at E = 50M, H = 8). On the CPU, whose
     ``bernoulli_`` into bool runs serially (0.29 s against 0.17 s at E = 2M, H = 8, 2 threads),
-    and while compiling (Inductor fuses the comparison), it is ``rand >= dropout``."""
+    and while compiling (Inductor fuses the comparison), it is ``rand >= dropout``. With
+    ``dropout = 1`` nothing is kept (``F.dropout(p=1)`` zeroes its input) and the scale is 1,
+    not ``1/0``: the kernels multiply kept weights by it."""
+    if dropout >= 1.0:
+        return torch.zeros((num_edges, heads), dtype=torch.bool, device=device), 1.0
     if torch.device(device).type == "cuda" and not torch.compiler.is_compiling():
         keep = torch.empty((num_edges, heads), dtype=torch.bool, device=device).bernoulli_(1.0 - dropout)
     else:
@@ -737,8 +741,8 @@ def _check_inputs(x_src, a_src, a_dst, graph, edge_logits, dropout):
         _check_logit_dtype("edge_logits", edge_logits, x_src, a_src)
         if edge_logits.device != x_src.device:
             raise ValueError(f"edge_logits ({edge_logits.device}) must be on the device of x_src ({x_src.device})")
-    if not (0.0 <= float(dropout) < 1.0):
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if not (0.0 <= float(dropout) <= 1.0):
+        raise ValueError(f"dropout must be in [0, 1], got {dropout}")
 
 
 def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor, graph: BipartiteCSC,
@@ -764,7 +768,7 @@ def gat_attention(x_src: torch.Tensor, a_src: torch.Tensor, a_dst: torch.Tensor,
         graph: the edges, as a :class:`BipartiteCSC` on the features' device.
         negative_slope: LeakyReLU slope.
         edge_logits: ``[E, H]`` per-edge logits in the original edge order, or None.
-        dropout: attention dropout probability in ``[0, 1)``, applied when ``training`` and
+        dropout: attention dropout probability in ``[0, 1]``, applied when ``training`` and
             scaled by ``1/(1-dropout)`` like ``F.dropout``.
         return_attention: also return ``alpha [E, H]`` (after dropout) in the original edge order.
 

@@ -626,8 +626,8 @@ def _check_inputs(x_src, x_dst, att, graph, edge_attr, edge_weight, dropout, csc
                 raise TypeError(f"{name} ({t.dtype}) must have the dtype of x_src ({x_src.dtype})")
             if t.device != x_src.device:
                 raise ValueError(f"{name} ({t.device}) must be on the device of x_src ({x_src.device})")
-    if not (0.0 <= float(dropout) < 1.0):
-        raise ValueError(f"dropout must be in [0, 1), got {dropout}")
+    if not (0.0 <= float(dropout) <= 1.0):
+        raise ValueError(f"dropout must be in [0, 1], got {dropout}")
 
 
 def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor, graph: BipartiteCSC,
@@ -658,7 +658,7 @@ def gatv2_attention(x_src: torch.Tensor, x_dst: torch.Tensor, att: torch.Tensor,
             ``edge_weight``), or ``[E, H, C]`` features already projected (without it), or None.
         edge_weight: ``[edge_dim, H, C]`` edge projection (PyG: ``lin_edge.weight.t()`` viewed
             as ``[edge_dim, H, C]``), or None.
-        dropout: attention dropout probability in ``[0, 1)``, applied when ``training`` and
+        dropout: attention dropout probability in ``[0, 1]``, applied when ``training`` and
             scaled by ``1/(1-dropout)`` like ``F.dropout``.
         return_attention: also return ``alpha [E, H]`` (after dropout) in the original edge order.
 

@@ -181,18 +181,14 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         if trash:
             a_dst = _append_zero_row(a_dst)
         p = float(self.dropout) if self.training else 0.0
-        drop_all = p >= 1.0  # F.dropout(p=1) zeroes everything; the kernel takes p < 1
         result = gat_attention(x_src.contiguous(), alpha_src.to(dtype).contiguous(), a_dst.contiguous(), graph,
                                negative_slope=self.negative_slope,
                                edge_logits=None if edge_logits is None else edge_logits.to(dtype),
-                               dropout=0.0 if drop_all else p, training=self.training,
+                               dropout=p, training=self.training,
                                return_attention=want_alpha)
         out, alpha = result if want_alpha else (result, None)
         if trash:
             out = out[:num_dst]
-        if drop_all:
-            out = out * 0.0
-            alpha = None if alpha is None else alpha * 0.0
         return out, alpha
 
     def _finish(self, out: Tensor, res: Optional[Tensor]) -> Tensor:

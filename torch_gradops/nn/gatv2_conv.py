@@ -105,9 +105,7 @@ class GATv2Conv(FusedMessagePassing, PyGGATv2Conv):
             weight = self.lin_edge.weight.t().reshape(-1, H, C).to(dtype)
             edge_feats = edge_feats.to(dtype)
         p = float(self.dropout) if self.training else 0.0
-        drop_all = p >= 1.0  # F.dropout(p=1) zeroes everything; the kernel takes p < 1
         x_l, x_r, att = x_l.contiguous(), x_r.to(dtype).contiguous(), self.att.view(H, C).to(dtype)
-        p = 0.0 if drop_all else p
         _check_inputs(x_l, x_r, att, graph, edge_feats, weight, p, csc_order=not input_order)
         result = _gatv2_attention_csc(x_l, x_r, att, graph, self.negative_slope, edge_feats, weight, p,
                                       self.training, want_alpha, input_order=input_order)
@@ -116,9 +114,6 @@ class GATv2Conv(FusedMessagePassing, PyGGATv2Conv):
             # split, not a slice: its backward pads the gradient in one pass (a slice's zero-fills
             # then copies)
             out = out.split([num_dst, 1])[0]
-        if drop_all:
-            out = out * 0.0
-            alpha = None if alpha is None else alpha * 0.0
         return out, alpha
 
     def _finish(self, out: Tensor, res: Optional[Tensor]) -> Tensor:
