@@ -1885,6 +1885,13 @@ def test_validation_errors():
     for bad in (torch.ones(2, 3, dtype=torch.bool), torch.ones(2, 3, dtype=torch.int64)):
         with pytest.raises(TypeError, match="operand 0 must have a floating-point or complex dtype"):
             tn.contract("ab,bc->ac", bad, b)
+    # float8 passes is_floating_point but has no matrix multiply: named here, not torch's "not
+    # implemented" from inside a GEMM
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        with pytest.raises(TypeError, match=f"operand 1 must have .* got {dtype} .float8 has no general matrix"):
+            tn.contract("ab,bc->ac", b.t().contiguous(), torch.ones(3, 4).to(dtype))
+        with pytest.raises(TypeError, match="dtype must have a floating-point"):
+            tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=dtype)
     with pytest.raises(TypeError, match="dtype must have a floating-point"):
         tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=torch.int32)
     for limit in (float("inf"), float("nan"), 0, -5.0):

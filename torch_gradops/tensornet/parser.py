@@ -185,9 +185,10 @@ def check_dtype(dtype, what: str) -> None:
     """Contractions are of floating-point or complex tensors (GEMMs; gradients)."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{what} must be a torch.dtype (torch.float32, ...), got {dtype!r} ({type(dtype).__name__})")
-    if not (dtype.is_floating_point or dtype.is_complex):
+    if not (dtype.is_floating_point or dtype.is_complex) or dtype.itemsize == 1:
+        why = " (float8 has no general matrix multiply in torch)" if dtype.is_floating_point else ""
         raise TypeError(f"{what} must have a floating-point or complex dtype (float64/32/16, bfloat16, "
-                        f"complex128/64), got {dtype}")
+                        f"complex128/64), got {dtype}{why}")
 
 
 _ONE_BY_ONE = " (pass the operands one by one: *operands)"
