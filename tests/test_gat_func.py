@@ -709,3 +709,14 @@ def test_graph_caches_built_inside_a_transform_do_not_escape():
         x = inputs[0].clone().requires_grad_()
         fn(x, *inputs[1:]).sum().backward()
         assert x.grad is not None
+    # The inverse permutation, first built by edge_order inside hessian (differentiated edge
+    # logits, returned attention): a later jacrev(jacfwd) on the graph raised "escaped?".
+    graph = tg.BipartiteCSC.from_edge_index(ei, inputs[0].size(0), nd)
+    assert graph.perm is not None
+    fn, ref = ours_fn(graph, True), ref_fn(ei, nd, True)
+    loss = lambda f: (lambda x, el: (lambda o, a: o.sin().sum() + a.pow(3).sum())(  # noqa: E731
+        *f(x, inputs[1], inputs[2], el)))
+    x, el = inputs[0], inputs[3]
+    assert_trees_close(hessian(loss(fn), argnums=(0, 1))(x, el), hessian(loss(ref), argnums=(0, 1))(x, el))
+    assert_trees_close(jacrev(jacfwd(loss(fn), argnums=(0, 1)), argnums=(0, 1))(x, el),
+                       jacrev(jacfwd(loss(ref), argnums=(0, 1)), argnums=(0, 1))(x, el))

@@ -4,6 +4,7 @@ import copy
 
 import pytest
 import torch
+from torch.autograd import forward_ad
 
 pyg = pytest.importorskip("torch_geometric")
 
@@ -163,6 +164,27 @@ def test_dropout_trains_and_eval_is_deterministic():
     ours.dropout = theirs.dropout = 1.0
     out = run_both(theirs, ours, x, ei)
     assert torch.equal(out, ours.bias.detach().expand_as(out))
+
+
+def test_forward_ad_sees_a_tangent_changed_in_place():
+    """Edge features with a forward-mode tangent are not cached as fixed data: the same dual
+    edge_attr passed again after its tangent changed in place (as gradcheck's forward-AD check
+    does) gets the new tangent's output tangent, equal to PyG's (was the first call's)."""
+    theirs, ours = pair(3, 2, heads=2, edge_dim=2)
+    theirs, ours = theirs.double(), ours.double()
+    x, ei = torch.randn(6, 3, dtype=torch.float64), random_graph(6, 6, 14)
+    ea = torch.randn(14, 2, dtype=torch.float64)
+    tangents = []
+    for layer in (theirs, ours):
+        with forward_ad.dual_level():
+            dual = forward_ad.make_dual(ea, torch.zeros_like(ea))
+            layer(x, ei, dual)
+            forward_ad.unpack_dual(dual).tangent.copy_(torch.linspace(-1, 1, ea.numel()).view_as(ea))
+            tangents.append(forward_ad.unpack_dual(layer(x, ei, dual)).tangent)
+    assert tangents[1] is not None and tangents[1].abs().max() > 0.01
+    close(tangents[1], tangents[0], atol=1e-12, msg="output tangent")
+    assert torch.autograd.gradcheck(lambda e: ours(x, ei, e), (ea.clone().requires_grad_(),),
+                                    check_forward_ad=True)
 
 
 def test_fixed_edge_features_are_ordered_once(monkeypatch):

@@ -131,22 +131,11 @@ _register_head_folding_vmap("gat_sddmm", (2, 3))
 # ---------------------------------------------------------------------------- fused primitives
 def _prepare_graph(graph: BipartiteCSC, reverse: bool, inverse: bool):
     """Build the graph's lazily cached index tensors that this call needs (the reverse index if
-    ``reverse``, the inverse edge permutation if ``inverse``) now, with torch.func off; return
-    the reverse index (or None).
-
-    BipartiteCSC keeps them once built; built inside a torch.func transform they would be that
-    transform's wrapped tensors, and a later call outside it would use escaped tensors
-    ("escaped?" internal asserts). Under torch.compile they are traced as they are."""
-    def build():
-        if inverse and graph.perm is not None:
-            graph.original_order(graph.indices.new_empty((graph.num_edges, 0)))  # caches the inverse
-        return graph.reverse_index() if reverse else None
-    if not (reverse or inverse):
-        return None
-    if torch.compiler.is_compiling():
-        return build()
-    with torch._C._DisableFuncTorch():
-        return build()
+    ``reverse``, the inverse edge permutation if ``inverse``) now; return the reverse index (or
+    None). (The graph builds them with torch.func off, see ``BipartiteCSC._building``.)"""
+    if inverse and graph.perm is not None:
+        graph.original_order(graph.indices.new_empty((graph.num_edges, 0)))  # caches the inverse
+    return graph.reverse_index() if reverse else None
 
 
 class _Edges(NamedTuple):

@@ -241,12 +241,23 @@ class BipartiteCSC:
             self._versions_seen = self._versions()
 
     def _building(self):
-        """The mode to build the cached indices in: normal tensors (not inference ones) for a
-        graph of normal tensors, even under ``torch.inference_mode()``; an inference tensor
-        cached by a validation pass could not be saved by a later training call's backward."""
-        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled() and self._versions() is not None:
-            return torch.inference_mode(False)
-        return contextlib.nullcontext()
+        """The mode to build the cached indices in:
+        - normal tensors (not inference ones) for a graph of normal tensors, even under
+          ``torch.inference_mode()``: an inference tensor cached by a validation pass could not
+          be saved by a later training call's backward;
+        - torch.func off: built inside a transform (an ``edge_order`` of logits under
+          ``hessian``) they would be its wrapped tensors, and a later call under another
+          transform would use escaped ones ("escaped?" internal asserts). Unless the graph's
+          own tensors are wrappers (a graph built inside the transform), whose cache dies with it.
+        Under torch.compile, traced as they are."""
+        stack = contextlib.ExitStack()
+        if torch.compiler.is_compiling():
+            return stack
+        if torch.is_inference_mode_enabled() and self._versions() is not None:
+            stack.enter_context(torch.inference_mode(False))
+        if not torch._C._functorch.is_functorch_wrapped_tensor(self.indptr):
+            stack.enter_context(torch._C._DisableFuncTorch())
+        return stack
 
     def dst_index(self) -> torch.Tensor:
         """``[E]`` destination id of each edge, in CSC order (built once)."""

@@ -469,8 +469,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gatv2_bac
   if (b.want_edge_attr && a.edge_attr_rows.defined()) {
     // Each row named at most once (the CPU backward raises): two edges writing one gradient row
     // would race, and with R == E a row named by none would stay uninitialised. Checked on the
-    // device, without a synchronisation, like the kernels' other index checks.
-    at::Tensor counts = at::zeros({a.edge_attr.size(0)}, a.indices.options().dtype(at::kInt));
+    // device, without a synchronisation, like the kernels' other index checks. (int32 counts
+    // unless E could wrap one to 1.)
+    const auto count_type = E > std::numeric_limits<int32_t>::max() ? at::kLong : at::kInt;
+    at::Tensor counts = at::zeros({a.edge_attr.size(0)}, a.indices.options().dtype(count_type));
     counts.index_add_(0, a.edge_attr_rows, at::ones({E}, counts.options()));
     at::_assert_async(counts.max() <= 1,
                       "edge_attr_rows must name distinct rows of edge_attr when its gradient is wanted");

@@ -24,7 +24,7 @@ from torch_geometric.utils import add_self_loops, is_torch_sparse_tensor, remove
 from torch_geometric.utils.loop import compute_loop_attr
 from torch_geometric.utils.sparse import set_sparse_value
 
-from .._transforms import is_transformed
+from .._transforms import has_tangent, is_transformed
 from .._segments import index_add_rows
 from ..graph import BipartiteCSC, csc_from_edges
 
@@ -416,7 +416,8 @@ def layer_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_
     like the CSC conversion), so the loop features' reduction and the reordering (three passes
     over ``E x edge_dim``) run once, and the kernels read the features in order. Otherwise they
     are left in input order, for the kernels to read through ``graph.perm`` (no reordered copy,
-    and their gradient written in place). Not cached under ``torch.compile`` or
+    and their gradient written in place). Not cached for features with a forward-mode tangent
+    (a dual's tangent can change in place, as ``gradcheck(check_forward_ad=True)`` does), under ``torch.compile`` or
     ``torch.jit.trace``, inference mode (an inference tensor cannot be saved for a later
     backward), for an inference tensor (no version counter), under torch.func transforms (of
     any input: what they compute is their wrappers), with a Tensor ``fill_value``, or where the
@@ -426,7 +427,7 @@ def layer_edge_features(edge_attr: Tensor, edge_index, graph: BipartiteCSC, num_
         return ea if num_loops is None else torch.cat([ea, loop_edge_attr(ea, edge_index, num_loops, fill_value)])
 
     _check_edge_attr(edge_attr, edge_dim)  # (before the cache: a hit must not skip it)
-    if (edge_attr.requires_grad or torch.compiler.is_compiling() or torch.jit.is_tracing()
+    if (edge_attr.requires_grad or has_tangent(edge_attr) or torch.compiler.is_compiling() or torch.jit.is_tracing()
             or torch.is_inference_mode_enabled()
             or _is_inference(edge_attr) or isinstance(fill_value, Tensor) or is_transformed(edge_attr)
             or torch._C._are_functorch_transforms_active()):  # (its results are the transforms' wrappers)
