@@ -1018,6 +1018,47 @@ def test_peak_memory_within_contract():
     assert _peak_bytes(_per_slice_autograd(expr, ops, p, path)) > 4 * peaks[-1]
 
 
+def test_derivative_networks_keep_the_memory_limit():
+    """create_graph=True and torch.func gradients contract each operand's derivative network:
+    planned under the plan's memory_limit (were planned without one: 1.9x the contract's bound
+    here), slicing more where needed, each of the plan's slices then a range of the derivative's
+    (slice groups map onto them); values, slice groups and double backward as einsum's."""
+    inputs, output, arrays = lattice_network(3, 4, 4, seed=0, dtype=F64)
+    ops = [a.requires_grad_() for a in arrays]
+    limit = 2048
+    p = tn.plan(*interleave(inputs, ops, output), memory_limit=limit)
+    assert p.num_slices > 1
+    fans = [p.derivative_plan(i)[3] for i in range(len(ops))]
+    assert max(fans) > 1  # (not every derivative network fits under the plan's slicing alone)
+    for i, fan in enumerate(fans):
+        d = p.derivative_plan(i)[0]
+        assert d.largest_intermediate[1] <= limit and d.num_slices == p.num_slices * fan
+    bound = _contract_bound(limit, ops, out_bytes=8)
+    first_order = lambda: torch.autograd.grad(p.contract(*ops), ops)  # noqa: E731
+    double = lambda: torch.autograd.grad(p.contract(*ops), ops, create_graph=True)  # noqa: E731
+    func_grad = lambda: torch.func.grad(lambda *o: p.contract(*o), argnums=tuple(range(len(ops))))(  # noqa: E731
+        *[o.detach() for o in ops])
+    for run in (first_order, double, func_grad):
+        run()
+        assert _peak_bytes(run) <= bound, (run, _peak_bytes(run), bound)
+    ref = torch.autograd.grad(torch.einsum(*interleave(inputs, ops, output)), ops, create_graph=True)
+    got = double()
+    for a, b in zip(got, ref):
+        _close(a, b)
+    # double backward: a Hessian-vector product
+    gen = torch.Generator().manual_seed(3)
+    vs = [torch.randn(o.shape, dtype=F64, generator=gen) for o in ops]
+    hvp = lambda gs: torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), ops)  # noqa: E731
+    for a, b in zip(hvp(got), hvp(ref)):
+        _close(a, b)
+    # slice groups: the create_graph gradients of a group equal the first-order ones
+    for group in (range(1, p.num_slices - 1), [0, p.num_slices - 1, p.num_slices - 1], 1):
+        plain = torch.autograd.grad(p.contract(*ops, slices=group), ops)
+        graph = torch.autograd.grad(p.contract(*ops, slices=group), ops, create_graph=True)
+        for a, b in zip(graph, plain):
+            _close(a, b)
+
+
 def _mkl_max_threads():
     """MKL's thread count for the calling thread, or None where torch has no MKL."""
     try:
@@ -3087,6 +3128,10 @@ def test_slicing_takes_a_plans_sliced_modes_back():
                        ([tn.ModeChunks("z", 2)], "not a mode of the expression")):
         with pytest.raises(ValueError, match=match):
             tn.plan("ab,bc->ac", a, b, slicing=bad)
+    # fewer than 2 chunks is not a split (was "cannot be sliced in 0 ranges ... no divisor")
+    for chunks in (0, 1, 2.5, "2"):
+        with pytest.raises(ValueError, match=r"chunks must be an int >= 2 .*passing 'b' itself"):
+            tn.ModeChunks("b", chunks)
     # a prime extent has no divisor to suggest (the message offered "a divisor of 5 between 2 and 4")
     with pytest.raises(ValueError, match="5 has no divisor between 2 and 4: pass 'b' to slice it whole"):
         tn.plan("ab,bc->ac", torch.randn(4, 5, dtype=F64), torch.randn(5, 3, dtype=F64),

@@ -239,9 +239,9 @@ def _derivative_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[t
         if not need:
             grads.append(None)
             continue
-        p, target, others = plan.derivative_plan(i)
+        p, target, others, fan = plan.derivative_plan(i)
         net_ops = p.prepare([grad_out.to(eff[i].dtype)] + [eff[j].conj() for j in others])
-        g = ContractFunction.apply(p, slices, PLAIN, *net_ops)[0]
+        g = ContractFunction.apply(p, plan.derivative_slices(slices, fan), PLAIN, *net_ops)[0]
         # Modes of operand i that occur nowhere else were summed: the gradient broadcasts.
         modes = net.inputs[i]
         if len(target) != len(modes):

@@ -70,7 +70,7 @@ def compile_program(inputs, output, sizes, path, sliced, itemsize=8, is_complex=
             int(itemsize), bool(is_complex), list(checkpoints), QUICK_MACS if quick_macs is None else int(quick_macs))
     except OverflowError:  # an intermediate, or a step's multiply-adds, of 2^63 or more
         raise ValueError("a size or a step's cost on this contraction path reaches 2^63 (int64), beyond what any "
-                         "device holds or runs; pass a memory_limit (the planner then slices the network) or another "
-                         "path") from None
+                         "device holds or runs; slicing (a memory_limit, or a smaller one) or another path may avoid "
+                         "it, unless the operands themselves are that large") from None
     return program, steps
 

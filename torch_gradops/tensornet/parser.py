@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ..graph import as_index
+
 __all__ = ["EllipsisDim", "autocast_operands", "ModeChunks", "Network", "split_modes", "parse_string", "split_interleaved", "normalize_labels", "network_of",
            "promoted_dtype", "preprocess", "check_operands", "shapes_of", "label_str", "describe"]
 
@@ -44,7 +46,11 @@ class ModeChunks:
     __slots__ = ("label", "chunks")
 
     def __init__(self, label, chunks: int):
-        self.label, self.chunks = label, int(chunks)
+        n = as_index(chunks)
+        if n is None or n < 2:
+            raise ValueError(f"ModeChunks({label!r}, {chunks!r}): chunks must be an int >= 2 (the mode's "
+                             f"ranges; slice the whole mode by passing {label!r} itself)")
+        self.label, self.chunks = label, n
 
     def __eq__(self, other):
         return isinstance(other, ModeChunks) and (other.label, other.chunks) == (self.label, self.chunks)

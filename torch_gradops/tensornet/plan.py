@@ -105,7 +105,7 @@ class ContractionPlan:
         largest = max([costs.largest] + [math.prod(sizes[m] for m in network.output if m not in sset)])
         self.largest_intermediate = (int(largest), int(largest) * itemsize)
         self.hoisted: Optional[HoistedParts] = None  # set by _hoist
-        self._derivatives: Dict[int, Tuple["ContractionPlan", List[int], List[int]]] = {}
+        self._derivatives: Dict[int, Tuple["ContractionPlan", List[int], List[int], int]] = {}
         self._batched: Dict[Tuple[Tuple[int, ...], int], "ContractionPlan"] = {}
 
     # -- slices ---------------------------------------------------------------------------
@@ -214,11 +214,13 @@ class ContractionPlan:
         return autograd.operand_gradients(self, operands, output_grad, slices, grads, accumulate)
 
     # -- derivative networks ------------------------------------------------------------------
-    def derivative_plan(self, i: int) -> Tuple["ContractionPlan", List[int], List[int]]:
-        """``(plan, target, others)``: the network of d(out)/d(operand i) contracted with an
+    def derivative_plan(self, i: int) -> Tuple["ContractionPlan", List[int], List[int], int]:
+        """``(plan, target, others, fan)``: the network of d(out)/d(operand i) contracted with an
         output gradient. Its inputs are the output gradient and the operands ``others`` (all but
-        ``i``), its output the modes ``target`` of operand ``i`` that occur there (mode ids);
-        same sliced modes, so the same slice ids. Planned once per plan."""
+        ``i``), its output the modes ``target`` of operand ``i`` that occur there (mode ids).
+        Its sliced modes are this plan's, first and in order, then, under a memory limit, any
+        more it needs to keep to the limit: slice ``s`` here is its slices ``s * fan`` to
+        ``(s + 1) * fan - 1`` (:meth:`derivative_slices`). Planned once per plan."""
         if i not in self._derivatives:
             net = self.network
             others = [j for j in range(len(net.inputs)) if j != i]
@@ -228,11 +230,48 @@ class ContractionPlan:
             target = [m for m in net.inputs[i] if m in present]
             terms = [list(net.output)] + [list(net.inputs[j]) for j in others]
             shapes = [tuple(net.sizes[m] for m in t) for t in terms]
-            p = PLANS.build(None, lambda: build_plan(None, terms, list(target), shapes, self.dtype, self.device_type,
-                                                     None, "auto", list(self.sliced_ids), interleaved=True,
-                                                     max_overhead=None))
-            self._derivatives[i] = (p, target, others)
+
+            def build(limit):
+                return PLANS.build(None, lambda: build_plan(None, terms, list(target), shapes, self.dtype,
+                                                            self.device_type, limit, "auto", list(self.sliced_ids),
+                                                            interleaved=True, max_overhead=None))
+            p, fan = build(None), 1  # this plan's slices exactly
+            if self.memory_limit is not None and p.largest_intermediate[1] > self.memory_limit:
+                p, fan = self._limited_derivative(i, p, lambda: build(self.memory_limit))
+            self._derivatives[i] = (p, target, others, fan)
         return self._derivatives[i]
+
+    def _limited_derivative(self, i, unlimited, build) -> Tuple["ContractionPlan", int]:
+        """The derivative network of operand ``i`` planned under this plan's memory limit, and
+        its slices per slice of this plan, where its sliced modes begin with this plan's (those
+        of ``unlimited``, the network planned with only them); else, with a warning,
+        ``(unlimited, 1)``: the gradient (``create_graph=True``, torch.func) goes over the limit."""
+        n = len(self.sliced_ids)
+        why = None
+        try:
+            p = build()
+        except ValueError as e:  # the limit cannot be met there
+            why = str(e)
+        else:
+            extents = p.slice_set.extents
+            if tuple(p.sliced_ids[:n]) == tuple(unlimited.sliced_ids) and extents[:n] == unlimited.slice_set.extents:
+                return p, int(math.prod(extents[n:]))
+            why = "its slicing does not extend this plan's"
+        warnings.warn(f"the derivative network of operand {i} (create_graph=True / torch.func gradients) is "
+                      f"planned without memory_limit ({format_bytes(self.memory_limit)}): {why}; its largest "
+                      f"intermediate is {format_bytes(unlimited.largest_intermediate[1])}", RuntimeWarning,
+                      stacklevel=2)
+        return unlimited, 1
+
+    def derivative_slices(self, slices, fan: int):
+        """The slice group of a derivative plan (:meth:`derivative_plan`) covering this plan's
+        slice group ``slices``: a range stays a range."""
+        group = self.slice_set.group(slices)
+        if fan == 1:
+            return group
+        if isinstance(group, range) and group.step == 1:
+            return range(group.start * fan, group.stop * fan)
+        return tuple(s * fan + k for s in group for k in range(fan))
 
     def batched_plan(self, operands: Tuple[int, ...], size: int) -> "ContractionPlan":
         """The plan of this (effective) network with one more mode of extent ``size`` at the front
