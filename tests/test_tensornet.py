@@ -1059,6 +1059,30 @@ def test_derivative_networks_keep_the_memory_limit():
             _close(a, b)
 
 
+def test_derivative_network_over_the_limit_warns(monkeypatch):
+    """A derivative network that cannot keep to the plan's limit is planned without one, with a
+    RuntimeWarning naming the operand; its gradients stay right."""
+    import sys
+    inputs, output, arrays = lattice_network(3, 4, 4, seed=0, dtype=F64)
+    ops = [a.requires_grad_() for a in arrays]
+    p = tn.plan(*interleave(inputs, ops, output), memory_limit=2040)  # (a plan of its own: no derivatives yet)
+    planner = sys.modules["torch_gradops.tensornet.plan"]
+    build = planner.build_plan
+
+    def refusing(expr, terms, output, shapes, dtype, device_type, memory_limit, *args, **kw):
+        if memory_limit is not None and expr is None:  # (derivative networks come without an expression)
+            raise ValueError("memory_limit cannot be met: a test's refusal")
+        return build(expr, terms, output, shapes, dtype, device_type, memory_limit, *args, **kw)
+
+    monkeypatch.setattr(planner, "build_plan", refusing)
+    with pytest.warns(RuntimeWarning, match=r"derivative network of operand \d+ .* planned without memory_limit "
+                                            r".*a test's refusal; its largest intermediate is"):
+        got = torch.autograd.grad(p.contract(*ops), ops, create_graph=True)
+    ref = torch.autograd.grad(torch.einsum(*interleave(inputs, ops, output)), ops)
+    for a, b in zip(got, ref):
+        _close(a, b)
+
+
 def _mkl_max_threads():
     """MKL's thread count for the calling thread, or None where torch has no MKL."""
     try:
