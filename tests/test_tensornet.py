@@ -7,6 +7,7 @@ import importlib
 import math
 import os
 import random
+import re
 import string
 import warnings
 
@@ -1915,6 +1916,11 @@ def test_validation_errors():
         tn.contract(a, [[0], 1], b, [1, 2])
     with pytest.raises(ValueError, match="optimize must be"):
         tn.contract("ab,bc->ac", a, b, optimize="fastest-ever")
+    # non-ASCII whitespace is not skipped silently (the shape error named a term 'ab' for "ab\u3000")
+    for space in ("\u3000", "\u00a0"):
+        with pytest.raises(ValueError, match=re.escape(f"character {space!r} is not a mode label")):
+            tn.contract(f"ab{space},bc->ac", torch.randn(2, 3, 4), b)
+    assert torch.equal(tn.contract(" ab ,\tbc\n -> ac ", a, b), tn.contract("ab,bc->ac", a, b))
     with pytest.raises(ValueError, match="explicit path step"):
         tn.contract("ab,bc->ac", a, b, optimize=[(0, 5)])
     with pytest.raises(ValueError, match="explicit path leaves 2"):

@@ -87,7 +87,9 @@ def parse_string(expr: str, n_operands: int):
     ``Ellipsis``); ``output`` is None for an implicit output."""
     if any(part.lstrip().startswith(">") for part in expr.split("-")[1:] if part[:1].isspace()):
         raise ValueError(f"expr {expr!r}: '->' is split by whitespace")  # (torch.einsum refuses it too)
-    expr = "".join(expr.split())
+    # ASCII whitespace only: other whitespace (U+3000, a no-break space) dropped silently made the
+    # errors name terms the user never wrote; _parse_term refuses it as a label instead
+    expr = "".join(ch for ch in expr if ch not in " \t\n\r\f\v")
     if expr.count("->") > 1:
         raise ValueError(f"expr {expr!r} has more than one '->'")
     lhs, arrow, rhs = expr.partition("->")
