@@ -720,3 +720,16 @@ def test_graph_caches_built_inside_a_transform_do_not_escape():
     assert_trees_close(hessian(loss(fn), argnums=(0, 1))(x, el), hessian(loss(ref), argnums=(0, 1))(x, el))
     assert_trees_close(jacrev(jacfwd(loss(fn), argnums=(0, 1)), argnums=(0, 1))(x, el),
                        jacrev(jacfwd(loss(ref), argnums=(0, 1)), argnums=(0, 1))(x, el))
+    # A graph of batched indices (built inside vmap, unvalidated) builds its caches under the
+    # transforms: torch.func is left on where any of its own tensors is a wrapper (indices only
+    # here; checking indptr alone raised "Cannot access storage of BatchedTensorImpl")
+    indptr = torch.tensor([0, 2, 3, 5, 6])
+    batch = torch.tensor([[0, 1, 2, 3, 4, 0], [4, 3, 2, 1, 0, 1]])
+    x, a_src, a_dst = (torch.randn(*s, dtype=torch.float64) for s in ((5, 2, 3), (5, 2), (4, 2)))
+
+    def grad_x(indices, validate):
+        g = tg.BipartiteCSC(indptr, indices, 5, validate=validate)
+        return grad(lambda x: tg.gat_attention(x, a_src, a_dst, g, SLOPE).sum())(x)
+    got = vmap(lambda i: grad_x(i, False))(batch)
+    for b in range(2):
+        torch.testing.assert_close(got[b], grad_x(batch[b], True), rtol=0, atol=0)

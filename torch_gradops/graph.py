@@ -255,7 +255,8 @@ class BipartiteCSC:
             return stack
         if torch.is_inference_mode_enabled() and self._versions() is not None:
             stack.enter_context(torch.inference_mode(False))
-        if not torch._C._functorch.is_functorch_wrapped_tensor(self.indptr):
+        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+        if not any(t is not None and wrapped(t) for t in (self.indptr, self.indices, self.perm)):
             stack.enter_context(torch._C._DisableFuncTorch())
         return stack
 

@@ -240,8 +240,10 @@ def _derivative_gradients(plan, eff, grad_out, slices, needs) -> List[Optional[t
             grads.append(None)
             continue
         p, target, others, fan = plan.derivative_plan(i)
-        net_ops = p.prepare([grad_out.to(eff[i].dtype)] + [eff[j].conj() for j in others])
-        g = ContractFunction.apply(p, plan.derivative_slices(slices, fan), PLAIN, *net_ops)[0]
+        # conj(sum grad_out^* x others) = sum grad_out x conj(others): one output-sized conjugate
+        # copy instead of a resolved conjugate of every other operand (complex dtypes)
+        net_ops = p.prepare([grad_out.to(eff[i].dtype).conj()] + [eff[j] for j in others])
+        g = ContractFunction.apply(p, plan.derivative_slices(slices, fan), PLAIN, *net_ops)[0].conj()
         # Modes of operand i that occur nowhere else were summed: the gradient broadcasts.
         modes = net.inputs[i]
         if len(target) != len(modes):

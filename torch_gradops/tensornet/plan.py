@@ -218,8 +218,8 @@ class ContractionPlan:
         """``(plan, target, others, fan)``: the network of d(out)/d(operand i) contracted with an
         output gradient. Its inputs are the output gradient and the operands ``others`` (all but
         ``i``), its output the modes ``target`` of operand ``i`` that occur there (mode ids).
-        Its sliced modes are this plan's, first and in order, then, under a memory limit, any
-        more it needs to keep to the limit: slice ``s`` here is its slices ``s * fan`` to
+        Planned under this plan's memory limit, its sliced modes are this plan's, first and in
+        order, then any more it needs: slice ``s`` here is its slices ``s * fan`` to
         ``(s + 1) * fan - 1`` (:meth:`derivative_slices`). Planned once per plan."""
         if i not in self._derivatives:
             net = self.network
@@ -235,40 +235,44 @@ class ContractionPlan:
                 return PLANS.build(None, lambda: build_plan(None, terms, list(target), shapes, self.dtype,
                                                             self.device_type, limit, "auto", list(self.sliced_ids),
                                                             interleaved=True, max_overhead=None))
-            p, fan = build(None), 1  # this plan's slices exactly
-            if self.memory_limit is not None and p.largest_intermediate[1] > self.memory_limit:
-                p, fan = self._limited_derivative(i, p, lambda: build(self.memory_limit))
+            p, fan = None, 1
+            if self.memory_limit is not None:
+                p, fan = self._limited_derivative(i, build)
+            if p is None:  # this plan's slices exactly
+                p = build(None)
             self._derivatives[i] = (p, target, others, fan)
         return self._derivatives[i]
 
-    def _limited_derivative(self, i, unlimited, build) -> Tuple["ContractionPlan", int]:
-        """The derivative network of operand ``i`` planned under this plan's memory limit, and
-        its slices per slice of this plan, where its sliced modes begin with this plan's (those
-        of ``unlimited``, the network planned with only them); else, with a warning,
-        ``(unlimited, 1)``: the gradient (``create_graph=True``, torch.func) goes over the limit."""
+    def _limited_derivative(self, i, build) -> Tuple[Optional["ContractionPlan"], int]:
+        """The derivative network of operand ``i`` planned under this plan's memory limit
+        (``build(limit)``), and its slices per slice of this plan, where its sliced modes begin
+        with this plan's (the derivative network's labels are this plan's mode ids); else, with a
+        warning, ``(None, 1)``: planned without the limit, the gradient (``create_graph=True``,
+        torch.func) may go over it."""
         n = len(self.sliced_ids)
-        why = None
         try:
-            p = build()
+            p = build(self.memory_limit)
         except ValueError as e:  # the limit cannot be met there
             why = str(e)
         else:
             extents = p.slice_set.extents
-            if tuple(p.sliced_ids[:n]) == tuple(unlimited.sliced_ids) and extents[:n] == unlimited.slice_set.extents:
+            if tuple(p.sliced_modes[:n]) == tuple(self.sliced_ids) and extents[:n] == self.slice_set.extents:
                 return p, int(math.prod(extents[n:]))
             why = "its slicing does not extend this plan's"
         warnings.warn(f"the derivative network of operand {i} (create_graph=True / torch.func gradients) is "
-                      f"planned without memory_limit ({format_bytes(self.memory_limit)}): {why}; its largest "
-                      f"intermediate is {format_bytes(unlimited.largest_intermediate[1])}", RuntimeWarning,
+                      f"planned without memory_limit ({format_bytes(self.memory_limit)}): {why}", RuntimeWarning,
                       stacklevel=2)
-        return unlimited, 1
+        return None, 1
 
     def derivative_slices(self, slices, fan: int):
         """The slice group of a derivative plan (:meth:`derivative_plan`) covering this plan's
-        slice group ``slices``: a range stays a range."""
+        slice group ``slices``: a range stays a range. (A plan of one slice runs it once for
+        any non-empty group, repeated ids or not: so does the derivative's group.)"""
         group = self.slice_set.group(slices)
         if fan == 1:
             return group
+        if self.num_slices == 1:
+            return range(fan if len(group) else 0)
         if isinstance(group, range) and group.step == 1:
             return range(group.start * fan, group.stop * fan)
         return tuple(s * fan + k for s in group for k in range(fan))
