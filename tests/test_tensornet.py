@@ -740,7 +740,8 @@ def test_hopeless_limits_are_refused_without_slicing_hopeless_trees(monkeypatch)
     assert not sliced  # every trial was hopeless: cotengra's slicer never ran
     # without a limit such a network has no plan either, said as such (an OverflowError from
     # the program compiler, and slicing nobody asked for, before)
-    with pytest.raises(ValueError, match="reaches 2\\^63 \\(int64\\), beyond what any device holds or runs; pass a memory_limit"):
+    with pytest.raises(ValueError, match="reaches 2\\^63 \\(int64\\), beyond what any device holds or runs; slicing "
+                                         "\\(a memory_limit"):
         tn.plan(*args, optimize="greedy")
     with pytest.raises(ValueError, match="slicing: more than 2\\^62 slices.*no intermediate reaches 2\\^62"):
         tn.plan(*args)
