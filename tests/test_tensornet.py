@@ -1992,9 +1992,9 @@ def test_validation_errors():
             tn.contract("ab,bc->ac", bad, b)
     # float8 passes is_floating_point but has no matrix multiply: named here, not torch's "not
     # implemented" from inside a GEMM
-    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        with pytest.raises(TypeError, match=f"operand 1 must have .* got {dtype} .float8 has no general matrix"):
-            tn.contract("ab,bc->ac", b.t().contiguous(), torch.ones(3, 4).to(dtype))
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
+        with pytest.raises(TypeError, match=f"operand 1 must have .* got {dtype} .torch has no general matrix"):
+            tn.contract("ab,bc->ac", b.t().contiguous(), torch.empty((3, 4), dtype=dtype))
         with pytest.raises(TypeError, match="dtype must have a floating-point"):
             tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=dtype)
     with pytest.raises(TypeError, match="dtype must have a floating-point"):

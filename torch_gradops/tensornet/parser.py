@@ -194,7 +194,7 @@ def check_dtype(dtype, what: str) -> None:
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{what} must be a torch.dtype (torch.float32, ...), got {dtype!r} ({type(dtype).__name__})")
     if not (dtype.is_floating_point or dtype.is_complex) or dtype.itemsize == 1:
-        why = " (float8 has no general matrix multiply in torch)" if dtype.is_floating_point else ""
+        why = " (torch has no general matrix multiply for float8 or float4)" if dtype.is_floating_point else ""
         raise TypeError(f"{what} must have a floating-point or complex dtype (float64/32/16, bfloat16, "
                         f"complex128/64), got {dtype}{why}")
 
