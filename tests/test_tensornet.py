@@ -1020,6 +1020,25 @@ def test_peak_memory_within_contract():
     assert _peak_bytes(_per_slice_autograd(expr, ops, p, path)) > 4 * peaks[-1]
 
 
+def _assert_group_gradients_agree(plan, ops, groups):
+    """For each slice group, create_graph=True gradients (the derivative networks') equal the
+    first-order ones (the executor's backward)."""
+    for group in groups:
+        plain = torch.autograd.grad(plan.contract(*ops, slices=group), ops)
+        graph = torch.autograd.grad(plan.contract(*ops, slices=group), ops, create_graph=True)
+        for a, b in zip(graph, plain):
+            _close(a, b)
+
+
+def _assert_hvps_close(got, ref, ops, gen):
+    """Hessian-vector products (the real part of <gradient, v> differentiated again) of two sets
+    of create_graph gradients agree, for random directions ``v`` of the operands' dtypes."""
+    vs = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in ops]
+    hvp = lambda gs: torch.autograd.grad(sum((g * v.conj()).real.sum() for g, v in zip(gs, vs)), ops)  # noqa: E731
+    for a, b in zip(hvp(got), hvp(ref)):
+        _close(a, b)
+
+
 def test_derivative_networks_keep_the_memory_limit():
     """create_graph=True and torch.func gradients contract each operand's derivative network:
     planned under the plan's memory_limit (were planned without one: 1.9x the contract's bound
@@ -1047,18 +1066,8 @@ def test_derivative_networks_keep_the_memory_limit():
     got = double()
     for a, b in zip(got, ref):
         _close(a, b)
-    # double backward: a Hessian-vector product
-    gen = torch.Generator().manual_seed(3)
-    vs = [torch.randn(o.shape, dtype=F64, generator=gen) for o in ops]
-    hvp = lambda gs: torch.autograd.grad(sum((g * v).sum() for g, v in zip(gs, vs)), ops)  # noqa: E731
-    for a, b in zip(hvp(got), hvp(ref)):
-        _close(a, b)
-    # slice groups: the create_graph gradients of a group equal the first-order ones
-    for group in (range(1, p.num_slices - 1), [0, p.num_slices - 1, p.num_slices - 1], 1):
-        plain = torch.autograd.grad(p.contract(*ops, slices=group), ops)
-        graph = torch.autograd.grad(p.contract(*ops, slices=group), ops, create_graph=True)
-        for a, b in zip(graph, plain):
-            _close(a, b)
+    _assert_hvps_close(got, ref, ops, torch.Generator().manual_seed(3))  # double backward
+    _assert_group_gradients_agree(p, ops, (range(1, p.num_slices - 1), [0, p.num_slices - 1, p.num_slices - 1], 1))
 
 
 def test_derivative_networks_of_an_unsliced_plan_and_complex_operands():
@@ -1070,11 +1079,7 @@ def test_derivative_networks_of_an_unsliced_plan_and_complex_operands():
     ops = [a.requires_grad_() for a in arrays]
     p = tn.plan(*interleave(inputs, ops, output), memory_limit=1024)
     assert p.num_slices == 1 and max(p.derivative_plan(i)[3] for i in range(len(ops))) > 1
-    for group in ([0], [0, 0, 0]):
-        plain = torch.autograd.grad(p.contract(*ops, slices=group), ops)
-        graph = torch.autograd.grad(p.contract(*ops, slices=group), ops, create_graph=True)
-        for a, b in zip(graph, plain):
-            _close(a, b)
+    _assert_group_gradients_agree(p, ops, ([0], [0, 0, 0]))
     for rows, cols, bond in ((3, 3, 4), (3, 4, 3)):
         inputs, output, arrays = lattice_network(rows, cols, bond, seed=0, dtype=F64)
         gen = torch.Generator().manual_seed(rows * cols)
@@ -1088,10 +1093,7 @@ def test_derivative_networks_of_an_unsliced_plan_and_complex_operands():
         got = double()
         for a, b in zip(got, ref):
             _close(a, b)
-        vs = [torch.randn(o.shape, dtype=o.dtype, generator=gen) for o in ops]
-        hvp = lambda gs: torch.autograd.grad(sum((g * v.conj()).real.sum() for g, v in zip(gs, vs)), ops)  # noqa: E731
-        for a, b in zip(hvp(got), hvp(ref)):
-            _close(a, b)
+        _assert_hvps_close(got, ref, ops, gen)
 
 
 def test_derivative_network_over_the_limit_warns(monkeypatch):
@@ -1990,8 +1992,8 @@ def test_validation_errors():
     for bad in (torch.ones(2, 3, dtype=torch.bool), torch.ones(2, 3, dtype=torch.int64)):
         with pytest.raises(TypeError, match="operand 0 must have a floating-point or complex dtype"):
             tn.contract("ab,bc->ac", bad, b)
-    # float8 passes is_floating_point but has no matrix multiply: named here, not torch's "not
-    # implemented" from inside a GEMM
+    # float8 and float4 pass is_floating_point but have no matrix multiply: named here, not
+    # torch's "not implemented" from inside a GEMM
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
         with pytest.raises(TypeError, match=f"operand 1 must have .* got {dtype} .torch has no general matrix"):
             tn.contract("ab,bc->ac", b.t().contiguous(), torch.empty((3, 4), dtype=dtype))
