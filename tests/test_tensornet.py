@@ -2001,6 +2001,14 @@ def test_validation_errors():
             tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=dtype)
     with pytest.raises(TypeError, match="dtype must have a floating-point"):
         tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=torch.int32)
+    # complex32: torch's bmm/addmm have no ComplexHalf kernel on CPU or CUDA
+    with warnings.catch_warnings():  # torch warns (once per process) that ComplexHalf is experimental
+        warnings.simplefilter("ignore", UserWarning)
+        half_complex = torch.ones((3, 4), dtype=torch.complex32)
+    with pytest.raises(TypeError, match="operand 1 must have .* got torch.complex32 .torch has no matrix multiply"):
+        tn.contract("ab,bc->ac", b.t().contiguous().to(torch.complex64), half_complex)
+    with pytest.raises(TypeError, match="dtype must have .* complex32; use complex64"):
+        tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=torch.complex32)
     for limit in (float("inf"), float("nan"), 0, -5.0):
         with pytest.raises(ValueError, match="memory_limit must be a positive, finite number of bytes"):
             tn.plan("ab,bc->ac", a, b, memory_limit=limit)
@@ -3236,7 +3244,7 @@ def test_corrupt_or_unusable_path_cache(tmp_path):
     for f in files:
         f.write_bytes(b"garbage")
     tn.clear_plan_cache()
-    with pytest.warns(RuntimeWarning, match="path_cache: an entry .* could not be read"):
+    with pytest.warns(RuntimeWarning, match="path_cache: an entry .* could not be read: it is corrupt or was cut short"):
         again = tn.plan(expr, *ops, optimize="cotengra", path_cache=tmp_path)
     assert again.searched and again.path == first.path
     _close(again.contract(*ops), ref)

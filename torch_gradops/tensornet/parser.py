@@ -193,8 +193,14 @@ def check_dtype(dtype, what: str) -> None:
     """Contractions are of floating-point or complex tensors (GEMMs; gradients)."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{what} must be a torch.dtype (torch.float32, ...), got {dtype!r} ({type(dtype).__name__})")
-    if not (dtype.is_floating_point or dtype.is_complex) or dtype.itemsize == 1:
-        why = " (torch has no general matrix multiply for float8 or float4)" if dtype.is_floating_point else ""
+    # complex32 passes is_complex and float8/float4 is_floating_point, but torch has no matrix
+    # multiply for them (CPU or CUDA): named here, not a "not implemented" from inside a GEMM
+    if not (dtype.is_floating_point or dtype.is_complex) or dtype.itemsize == 1 or dtype == torch.complex32:
+        why = ""
+        if dtype == torch.complex32:
+            why = " (torch has no matrix multiply for complex32; use complex64)"
+        elif dtype.is_floating_point:
+            why = " (torch has no general matrix multiply for float8 or float4)"
         raise TypeError(f"{what} must have a floating-point or complex dtype (float64/32/16, bfloat16, "
                         f"complex128/64), got {dtype}{why}")
 

@@ -375,8 +375,10 @@ def _default_search(options: List[dict], inputs, output, size_dict, cache_dir: O
             try:
                 return [cache.search(inputs, output, size_dict)], False, cache  # a hit: no search
             except Exception as e:  # a truncated or corrupt entry (an interrupted write): search, rewrite it
-                warnings.warn(f"path_cache: an entry under {cache_dir!r} could not be read ({type(e).__name__}: "
-                              f"{e}); searching again and rewriting it", RuntimeWarning, stacklevel=2)
+                # cotengra's own error says little (an UnboundLocalError for a truncated pickle)
+                warnings.warn(f"path_cache: an entry under {cache_dir!r} could not be read: it is corrupt or was cut "
+                              f"short by an interrupted write (cotengra's error: {type(e).__name__}: {e}); "
+                              "searching again and rewriting it", RuntimeWarning, stacklevel=2)
     trees = _seeded(lambda: _round_robin([BudgetedHyperOptimizer(**o) for o in options], inputs, output, size_dict))
     return trees, True, cache
 

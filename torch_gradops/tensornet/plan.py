@@ -232,9 +232,7 @@ class ContractionPlan:
             shapes = [tuple(net.sizes[m] for m in t) for t in terms]
 
             def build(limit):
-                return PLANS.build(None, lambda: build_plan(None, terms, list(target), shapes, self.dtype,
-                                                            self.device_type, limit, "auto", list(self.sliced_ids),
-                                                            interleaved=True, max_overhead=None))
+                return self._related_plan(terms, list(target), shapes, limit)
             p, fan = None, 1
             if self.memory_limit is not None:
                 p, fan = self._limited_derivative(i, build)
@@ -290,10 +288,16 @@ class ContractionPlan:
             sizes = {**net.sizes, batch: int(size)}
             shapes = [tuple(sizes[m] for m in t) for t in terms]
             output = [batch] + list(net.output)
-            self._batched[key] = PLANS.build(None, lambda: build_plan(
-                None, terms, output, shapes, self.dtype, self.device_type, None, "auto", list(self.sliced_ids),
-                interleaved=True, max_overhead=None))
+            self._batched[key] = self._related_plan(terms, output, shapes, None)
         return self._batched[key]
+
+    def _related_plan(self, terms, output, shapes, memory_limit) -> "ContractionPlan":
+        """A plan of a network derived from this one (mode ids as labels: a derivative or a
+        batched network), for this plan's dtype and device, slicing this plan's sliced modes
+        first, in order (then any more ``memory_limit`` needs); not kept in the plan cache."""
+        return PLANS.build(None, lambda: build_plan(None, terms, output, shapes, self.dtype, self.device_type,
+                                                    memory_limit, "auto", list(self.sliced_ids), interleaved=True,
+                                                    max_overhead=None))
 
     def __repr__(self):
         li_el, li_b = self.largest_intermediate
