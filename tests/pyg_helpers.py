@@ -345,3 +345,38 @@ def check_inference_pass_then_training(pyg_cls, our_cls):
         (out.sum() + alpha.sum()).backward()
     close(outs[1][0], outs[0][0])
     close(xs[1].grad, xs[0].grad)
+
+
+def check_loop_groups_are_cached(pair, monkeypatch):
+    """Edge features that need a gradient are reduced into the added self-loops' features every
+    step (fill_value "mean"/"add"); the grouping of the edges by loop, a sort, is built once per
+    graph and cached: a later call on the same graph sorts once less, whatever the fill, an
+    in-place edit of edge_index regroups, and every result (edge_attr's gradient included)
+    equals PyG's."""
+    from torch_gradops.nn import adjacency
+    Segments = adjacency.Segments  # (the sort-based grouping the loops' reductions use)
+    calls = {"n": 0}
+    real = Segments.of_index
+
+    def counting(index):
+        calls["n"] += 1
+        return real(index)
+
+    monkeypatch.setattr(Segments, "of_index", staticmethod(counting))
+    adjacency.clear_csc_cache()
+    x, ei, ea = torch.randn(30, 12), random_graph(30, 30, 150), torch.randn(150, 3)
+
+    def sorts(fill):
+        theirs, ours = pair(12, 6, heads=2, edge_dim=3, fill_value=fill)
+        n = calls["n"]
+        run_both(theirs, ours, x, ei, edge_attr=ea)  # edge_attr as a leaf that needs a gradient
+        return calls["n"] - n
+
+    first = sorts("mean")
+    assert first >= 1 and len(adjacency.LOOP_GROUP_CACHE) == 1
+    assert sorts("mean") == first - 1
+    assert sorts("add") == first - 1  # the grouping does not depend on the reduction
+    ei[0, 10] = (ei[0, 10] + 1) % 30  # in place: a new CSC graph, grouped again
+    assert sorts("mean") == first
+    adjacency.clear_csc_cache()
+    assert len(adjacency.LOOP_GROUP_CACHE) == 0

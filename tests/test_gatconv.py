@@ -20,6 +20,7 @@ import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
+                         check_loop_groups_are_cached,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
                          check_coo_adjacency_flagged_coalesced_by_pyg, check_non_tensor_edge_index_is_refused,
@@ -977,3 +978,7 @@ def test_no_edges_leave_edge_parameters_without_gradient():
     for (name, p), q in zip(theirs.named_parameters(), ours.parameters()):
         assert (p.grad is None) == (q.grad is None), name
     assert ours.lin_edge.weight.grad is None and ours.att_edge.grad is None
+
+
+def test_loop_groups_of_learned_edge_features_are_cached(monkeypatch):
+    check_loop_groups_are_cached(pair, monkeypatch)

@@ -16,6 +16,7 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 
 from torch_gradops.nn import GAT, GATv2Conv, adjacency, convert  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
+                         check_loop_groups_are_cached,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
                          check_coo_adjacency_flagged_coalesced_by_pyg, check_non_tensor_edge_index_is_refused,
@@ -457,3 +458,7 @@ def test_edge_attr_of_the_wrong_width_names_edge_dim(shape):
 
 def test_non_tensor_edge_index_is_refused_with_a_clear_message():
     check_non_tensor_edge_index_is_refused(GATv2Conv)
+
+
+def test_loop_groups_of_learned_edge_features_are_cached(monkeypatch):
+    check_loop_groups_are_cached(pair, monkeypatch)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -171,14 +171,16 @@ def sum_sorted_rows(x: torch.Tensor, ptr: torch.Tensor, segment: torch.Tensor) -
     return segment_sum(x, Segments.contiguous(ptr, segment))
 
 
-def index_add_rows(total: torch.Tensor, index: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+def index_add_rows(total: torch.Tensor, index: Optional[torch.Tensor], rows: torch.Tensor,
+                   groups: Optional[Tuple[Segments, torch.Tensor]] = None) -> torch.Tensor:
     """``total.index_add(0, index, rows)``, deterministic: the rows of each id summed in row
     order by :func:`segment_sum`, then added once per distinct id. In place when torch allows
     (not an unbatched ``total`` taking batched rows under vmap). Under ``torch.compile`` or
-    ``torch.jit.trace``, ``index_add`` itself."""
+    ``torch.jit.trace``, ``index_add`` itself. ``groups``: ``Segments.of_index(index)`` when
+    the caller keeps it (``index`` may then be None, except under those two)."""
     if plain_ops():
-        return total.index_add(0, index, rows)
-    segs, ids = Segments.of_index(index)
+        return total.index_add(0, index if index is not None else groups[1].index_select(0, groups[0].segment), rows)
+    segs, ids = groups if groups is not None else Segments.of_index(index)
     sums = segment_sum(rows, segs)
     try:
         return total.index_add_(0, ids, sums)

@@ -68,7 +68,7 @@ class GATConv(FusedMessagePassing, PyGGATConv):
                                              self.add_self_loops, self.edge_dim)
         graph = csc_graph(edge_index, x_src.size(0), num_dst, num_loops)
         with self._logit_precision(x_src):
-            edge_logits = self._edge_logits(edge_attr, edge_index, num_loops)
+            edge_logits = self._edge_logits(edge_attr, edge_index, num_loops, graph)
         out, alpha = self._attend(x_src, alpha_src, alpha_dst, edge_logits, graph, num_dst,
                                   bool(return_attention_weights))
         out = self._finish(out, res)
@@ -151,7 +151,8 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         w = self._fold(lin_d, self.att_dst)
         return alpha_src, x_in_dst.to(w.dtype) @ w
 
-    def _edge_logits(self, edge_attr: Optional[Tensor], edge_index, num_loops: Optional[int]) -> Optional[Tensor]:
+    def _edge_logits(self, edge_attr: Optional[Tensor], edge_index, num_loops: Optional[int],
+                     graph: Optional[BipartiteCSC] = None) -> Optional[Tensor]:
         """``[E (+ loops), H] = edge_attr @ W`` with ``W [edge_dim, H]`` folded from ``lin_edge`` and
         ``att_edge`` (no ``E x H x C`` tensor), the added loops' features by ``fill_value``."""
         if edge_attr is None or self.lin_edge is None:
@@ -165,7 +166,7 @@ class GATConv(FusedMessagePassing, PyGGATConv):
         ea = edge_attr_2d(edge_attr, edge_index, w.dtype, layer_edge_dim(self)).to(w.dtype)
         logits = ea @ w
         if num_loops is not None:
-            logits = torch.cat([logits, loop_edge_attr(ea, edge_index, num_loops, self.fill_value) @ w])
+            logits = torch.cat([logits, loop_edge_attr(ea, edge_index, num_loops, self.fill_value, graph) @ w])
         return logits
 
     def _attend(self, x_src: Tensor, alpha_src: Tensor, alpha_dst: Optional[Tensor],
