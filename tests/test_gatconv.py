@@ -20,7 +20,7 @@ import torch_gradops.nn as tgnn  # noqa: E402
 from torch_gradops.nn import GAT, GATConv, convert  # noqa: E402
 from torch_gradops.nn import adjacency  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
-                         check_loop_groups_are_cached,
+                         check_loop_groups_are_cached, check_loop_groups_built_under_a_transform,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
                          check_coo_adjacency_flagged_coalesced_by_pyg, check_non_tensor_edge_index_is_refused,
@@ -982,3 +982,7 @@ def test_no_edges_leave_edge_parameters_without_gradient():
 
 def test_loop_groups_of_learned_edge_features_are_cached(monkeypatch):
     check_loop_groups_are_cached(pair, monkeypatch)
+
+
+def test_loop_groups_built_under_a_transform_serve_later_ones():
+    check_loop_groups_built_under_a_transform(GATConv)

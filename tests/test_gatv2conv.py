@@ -16,7 +16,7 @@ from torch_geometric.utils import to_torch_coo_tensor, to_torch_csc_tensor, to_t
 
 from torch_gradops.nn import GAT, GATv2Conv, adjacency, convert  # noqa: E402
 from pyg_helpers import (assert_sums_without_atomics, check_edge_attr_forms, check_explainer_masks_and_hooks,
-                         check_loop_groups_are_cached,
+                         check_loop_groups_are_cached, check_loop_groups_built_under_a_transform,
                          check_inference_pass_then_training,
                          check_uncoalesced_coo_adjacency, check_coo_adjacency_shared_with_pyg_layers,
                          check_coo_adjacency_flagged_coalesced_by_pyg, check_non_tensor_edge_index_is_refused,
@@ -462,3 +462,7 @@ def test_non_tensor_edge_index_is_refused_with_a_clear_message():
 
 def test_loop_groups_of_learned_edge_features_are_cached(monkeypatch):
     check_loop_groups_are_cached(pair, monkeypatch)
+
+
+def test_loop_groups_built_under_a_transform_serve_later_ones():
+    check_loop_groups_built_under_a_transform(GATv2Conv)

@@ -2001,14 +2001,22 @@ def test_validation_errors():
             tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=dtype)
     with pytest.raises(TypeError, match="dtype must have a floating-point"):
         tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=torch.int32)
-    # complex32: torch's bmm/addmm have no ComplexHalf kernel on CPU or CUDA
+    # complex32: torch's bmm/addmm have no ComplexHalf kernel on CPU or CUDA. Refused where the
+    # contraction would run in it; beside a complex64 operand it is promoted, as in torch.
     with warnings.catch_warnings():  # torch warns (once per process) that ComplexHalf is experimental
         warnings.simplefilter("ignore", UserWarning)
-        half_complex = torch.ones((3, 4), dtype=torch.complex32)
-    with pytest.raises(TypeError, match="operand 1 must have .* got torch.complex32 .torch has no matrix multiply"):
-        tn.contract("ab,bc->ac", b.t().contiguous().to(torch.complex64), half_complex)
+        half_complex = torch.randn((3, 4), dtype=torch.complex64).to(torch.complex32)
+    with pytest.raises(TypeError, match="the operands' common dtype must have .* got torch.complex32 "
+                                        ".torch has no matrix multiply for complex32; use complex64"):
+        tn.contract("ab,bc->ac", half_complex.t().contiguous(), half_complex)
     with pytest.raises(TypeError, match="dtype must have .* complex32; use complex64"):
         tn.plan("ab,bc->ac", (2, 3), (3, 4), dtype=torch.complex32)
+    with pytest.raises(TypeError, match="dtype must have .* complex32; use complex64"):
+        tn.plan("ab,bc->ac", b.t().contiguous(), b, dtype=torch.complex32)
+    a64 = torch.randn(2, 3, dtype=torch.complex64)
+    mixed = tn.contract("ab,bc->ac", a64, half_complex)
+    assert mixed.dtype == torch.complex64
+    torch.testing.assert_close(mixed, a64 @ half_complex.to(torch.complex64))
     for limit in (float("inf"), float("nan"), 0, -5.0):
         with pytest.raises(ValueError, match="memory_limit must be a positive, finite number of bytes"):
             tn.plan("ab,bc->ac", a, b, memory_limit=limit)

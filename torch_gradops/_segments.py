@@ -177,9 +177,11 @@ def index_add_rows(total: torch.Tensor, index: Optional[torch.Tensor], rows: tor
     order by :func:`segment_sum`, then added once per distinct id. In place when torch allows
     (not an unbatched ``total`` taking batched rows under vmap). Under ``torch.compile`` or
     ``torch.jit.trace``, ``index_add`` itself. ``groups``: ``Segments.of_index(index)`` when
-    the caller keeps it (``index`` may then be None, except under those two)."""
+    the caller keeps it; ``index`` may then be None, except under those two."""
     if plain_ops():
-        return total.index_add(0, index if index is not None else groups[1].index_select(0, groups[0].segment), rows)
+        if index is None:
+            raise ValueError("index_add_rows: index is needed under torch.compile and torch.jit.trace")
+        return total.index_add(0, index, rows)
     segs, ids = groups if groups is not None else Segments.of_index(index)
     sums = segment_sum(rows, segs)
     try:

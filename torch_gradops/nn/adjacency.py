@@ -10,6 +10,7 @@ an ``EdgeIndex`` sorted by column (destination) is converted without any sort.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
 import weakref
@@ -401,16 +402,18 @@ def _loop_columns(edge_index, num_loops: int) -> Tuple[Tensor, Tensor]:
 def _loop_groups(edge_index, num_loops: int, graph: Optional[BipartiteCSC]):
     """``(segments, ids, count)`` of the loop rows (:func:`_loop_columns`): the input edges
     grouped by row (:meth:`Segments.of_index`) and each row's edge count ``[num_loops + 1]``,
-    cached per ``graph`` (``graph`` None, or under torch.compile / torch.jit.trace: built)."""
-    entries = None if graph is None or plain_ops() else LOOP_GROUP_CACHE.get(graph)
+    cached per ``graph`` (built each call without one). Built as the graph builds its own
+    cached indices (``BipartiteCSC._building``): normal tensors even under inference mode, and
+    with torch.func off, so that groups first built inside a transform (``hessian``) are not
+    its wrappers, which a later call under another transform could not use."""
+    entries = None if graph is None else LOOP_GROUP_CACHE.get(graph)
     if entries is not None and num_loops in entries:
         return entries[num_loops]
-    # normal tensors even under inference mode, as for the CSC graph they serve with
-    with torch.inference_mode(False):
+    with (graph._building() if graph is not None else contextlib.nullcontext()), torch.inference_mode(False):
         col = _loop_columns(edge_index, num_loops)[1]
         segs, ids = Segments.of_index(col)
         count = torch.bincount(col, minlength=num_loops + 1)
-    if graph is not None and not plain_ops():
+    if graph is not None:
         LOOP_GROUP_CACHE.setdefault(graph, {})[num_loops] = (segs, ids, count)
     return segs, ids, count
 
@@ -429,9 +432,13 @@ def loop_edge_attr(edge_attr: Tensor, edge_index, num_loops: int, fill_value,
                                  fill_value)
     if fill_value in ("add", "sum", "mean") and not torch.compiler.is_compiling():
         # PyG's scatter sum/mean (scatter_add_, atomic on CUDA), summed in a fixed order
-        segs, ids, count = _loop_groups(edge_index, num_loops, graph)
-        out = index_add_rows(edge_attr.new_zeros((num_loops + 1,) + edge_attr.shape[1:]), None, edge_attr,
-                             groups=(segs, ids))
+        total = edge_attr.new_zeros((num_loops + 1,) + edge_attr.shape[1:])
+        if plain_ops():  # torch.jit.trace: index_add itself (index_add_rows), nothing to cache
+            col = _loop_columns(edge_index, num_loops)[1]
+            out, count = index_add_rows(total, col, edge_attr), torch.bincount(col, minlength=num_loops + 1)
+        else:
+            segs, ids, count = _loop_groups(edge_index, num_loops, graph)
+            out = index_add_rows(total, None, edge_attr, groups=(segs, ids))
         if fill_value == "mean":
             out = out / count.clamp(min=1).to(out.dtype).view((-1,) + (1,) * (out.dim() - 1))
         return out[:num_loops]

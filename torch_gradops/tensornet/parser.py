@@ -181,7 +181,8 @@ def check_operands(operands) -> None:
             hint = " of tensors" + _ONE_BY_ONE if _holds_tensors(op) else ""
             raise TypeError(f"operand {i} must be a torch.Tensor, got {type(op).__name__}{hint}")
     for i, op in enumerate(operands):
-        check_dtype(op.dtype, f"operand {i}")
+        check_dtype(op.dtype, f"operand {i}", operand=True)
+    check_dtype(promoted_dtype(operands), "the operands' common dtype")
     dev = operands[0].device
     for i, op in enumerate(operands):
         if op.device != dev:
@@ -189,12 +190,16 @@ def check_operands(operands) -> None:
                              "be on one device")
 
 
-def check_dtype(dtype, what: str) -> None:
-    """Contractions are of floating-point or complex tensors (GEMMs; gradients)."""
+def check_dtype(dtype, what: str, operand: bool = False) -> None:
+    """Contractions are of floating-point or complex tensors (GEMMs; gradients). ``operand``: the
+    dtype of one operand, which may be complex32 when another promotes the contraction past it
+    (complex32 with complex64 contracts in complex64)."""
     if not isinstance(dtype, torch.dtype):
         raise TypeError(f"{what} must be a torch.dtype (torch.float32, ...), got {dtype!r} ({type(dtype).__name__})")
     # complex32 passes is_complex and float8/float4 is_floating_point, but torch has no matrix
     # multiply for them (CPU or CUDA): named here, not a "not implemented" from inside a GEMM
+    if operand and dtype == torch.complex32:
+        return
     if not (dtype.is_floating_point or dtype.is_complex) or dtype.itemsize == 1 or dtype == torch.complex32:
         why = ""
         if dtype == torch.complex32:
