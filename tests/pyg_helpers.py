@@ -383,22 +383,27 @@ def check_loop_groups_are_cached(pair, monkeypatch):
 
 
 def check_loop_groups_built_under_a_transform(layer_cls):
-    """The loops' grouping first built inside ``torch.func.hessian`` (the CSC graph cached by
-    an eager call before) is cached as plain tensors: later transforms on the graph still work
-    (a cached wrapper of the hessian's levels failed them with functorch's internal assert) and
-    agree with autograd."""
+    """What the layers cache per graph (the CSC graph, the loops' grouping, the content key's
+    weights), first built inside ``torch.func.hessian``, is cached as plain tensors: later
+    transforms on the graph still work (cached wrappers of the hessian's levels failed them
+    with functorch's "escaped?" internal assert) and agree with autograd. Both with the CSC
+    graph cached by an eager call first and with the hessian as the graph's first call."""
     from torch_gradops.nn import adjacency
-    adjacency.clear_csc_cache()
     torch.manual_seed(0)
     conv = layer_cls(12, 6, heads=2, edge_dim=3)  # fill_value "mean", the default
-    x, ei, ea = torch.randn(30, 12), random_graph(30, 30, 40), torch.randn(40, 3, dtype=torch.float32)
-    conv(x, ei)  # the CSC graph is cached; the loops' grouping is not built yet
+    x, ea = torch.randn(30, 12), torch.randn(40, 3, dtype=torch.float32)
+    for eager_first in (True, False):
+        adjacency.clear_csc_cache()
+        adjacency._key_weights.cache_clear()  # (drawn on the first key of the process)
+        ei = random_graph(30, 30, 40)
+        if eager_first:
+            conv(x, ei)  # the CSC graph is cached; the loops' grouping is not built yet
 
-    def f(a):
-        return conv(x, ei, a).square().sum()
+        def f(a):
+            return conv(x, ei, a).square().sum()
 
-    torch.func.hessian(f)(ea)  # the grouping is built here
-    leaf = ea.clone().requires_grad_()
-    expected, = torch.autograd.grad(f(leaf), leaf)
-    close(torch.func.grad(f)(ea), expected)
-    close(torch.func.jacrev(f)(ea), expected)
+        torch.func.hessian(f)(ea)  # the grouping (and, unless eager_first, the graph) built here
+        leaf = ea.clone().requires_grad_()
+        expected, = torch.autograd.grad(f(leaf), leaf)
+        close(torch.func.grad(f)(ea), expected)
+        close(torch.func.jacrev(f)(ea), expected)

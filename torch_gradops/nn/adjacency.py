@@ -80,9 +80,11 @@ KEY_CHUNK = 1 << 16  # ids per step of _ids_key
 def _key_weights() -> Tensor:
     """``KEY_CHUNK`` float64 weights in [1, 2), one per offset in a chunk: drawn once, on the
     first key, with Python's random (torch's RNG refuses to run inside vmap, where a layer's
-    first call may come)."""
+    first call may come). A plain normal tensor even when that call is under a torch.func
+    transform (kept, a transform's tensor would fail later calls: "escaped?") or inference mode."""
     rng = random.Random(0x5EED)
-    return torch.tensor([1.0 + rng.random() for _ in range(KEY_CHUNK)], dtype=torch.float64)
+    with torch._C._DisableFuncTorch(), torch.inference_mode(False):
+        return torch.tensor([1.0 + rng.random() for _ in range(KEY_CHUNK)], dtype=torch.float64)
 
 
 def _ids_key(ids: Tensor) -> Tuple[int, int, int]:
@@ -247,6 +249,15 @@ def coalesced_adjacency(edge_index, edge_attr: Optional[Tensor]):
     return edge_index.coalesce()
 
 
+def _plain_unless_wrapped(edge_index):
+    """torch.func off (``_DisableFuncTorch``) unless ``edge_index``'s ids are a transform's
+    wrapper tensors (a graph built inside ``vmap``), as ``BipartiteCSC._building`` decides."""
+    ids = edge_index.storage.col() if isinstance(edge_index, SparseTensor) else edge_index
+    if isinstance(ids, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(ids):
+        return contextlib.nullcontext()
+    return torch._C._DisableFuncTorch()
+
+
 def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) -> BipartiteCSC:
     """The (cached) CSC graph of ``edge_index`` with ``num_loops`` self-loops handled as
     :func:`~torch_gradops.graph.csc_from_edges` describes (None: edges kept as they are)."""
@@ -269,8 +280,10 @@ def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) 
         if hit is not None and hit[0] == version:
             return hit[1]
     # normal tensors even under inference mode: the cached graph serves later training calls,
-    # whose backward cannot save inference tensors
-    with torch.inference_mode(False):
+    # whose backward cannot save inference tensors; and plain ones under a torch.func transform
+    # (a first call under hessian), which later calls under other transforms could not use
+    # ("escaped?"), unless edge_index itself is the transform's (its entry dies with it)
+    with torch.inference_mode(False), _plain_unless_wrapped(edge_index):
         graph = build()
     if entries is None:
         entries = {}
