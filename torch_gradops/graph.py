@@ -61,6 +61,17 @@ class _ReverseIndex:
     dst: torch.Tensor     # [E] destination of each of those edges
 
 
+def _func_off_unless_wrapped(*tensors) -> contextlib.AbstractContextManager:
+    """torch.func off (``_DisableFuncTorch``) for building cached indices from ``tensors``,
+    unless one of them is a transform's wrapper tensor (a graph built inside ``vmap``, whose
+    cache dies with it): built inside a transform (``hessian``) they would be its wrappers, and
+    a later call under another transform would use escaped ones ("escaped?" internal asserts)."""
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    if any(isinstance(t, torch.Tensor) and wrapped(t) for t in tensors):
+        return contextlib.nullcontext()
+    return torch._C._DisableFuncTorch()
+
+
 def _append_zero_row(values: torch.Tensor) -> torch.Tensor:
     """``values`` with one zero row after its last: where :meth:`BipartiteCSC._inverse_perm`
     sends the original edges a graph leaves out, and the layers' extra destination row for the
@@ -255,9 +266,7 @@ class BipartiteCSC:
             return stack
         if torch.is_inference_mode_enabled() and self._versions() is not None:
             stack.enter_context(torch.inference_mode(False))
-        wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-        if not any(t is not None and wrapped(t) for t in (self.indptr, self.indices, self.perm)):
-            stack.enter_context(torch._C._DisableFuncTorch())
+        stack.enter_context(_func_off_unless_wrapped(self.indptr, self.indices, self.perm))
         return stack
 
     def dst_index(self) -> torch.Tensor:

@@ -27,7 +27,7 @@ from torch_geometric.utils.sparse import set_sparse_value
 
 from .._transforms import has_tangent, is_transformed
 from .._segments import Segments, index_add_rows, plain_ops
-from ..graph import BipartiteCSC, csc_from_edges
+from ..graph import BipartiteCSC, _func_off_unless_wrapped, csc_from_edges
 
 __all__ = ["edge_list", "is_edge_index", "csc_graph", "clear_csc_cache", "CSC_CACHE", "propagate_sizes",
            "content_key", "KEY_CHUNK", "num_edges", "layer_edge_dim", "edge_attr_2d", "loop_edge_attr",
@@ -249,15 +249,6 @@ def coalesced_adjacency(edge_index, edge_attr: Optional[Tensor]):
     return edge_index.coalesce()
 
 
-def _plain_unless_wrapped(edge_index):
-    """torch.func off (``_DisableFuncTorch``) unless ``edge_index``'s ids are a transform's
-    wrapper tensors (a graph built inside ``vmap``), as ``BipartiteCSC._building`` decides."""
-    ids = edge_index.storage.col() if isinstance(edge_index, SparseTensor) else edge_index
-    if isinstance(ids, Tensor) and torch._C._functorch.is_functorch_wrapped_tensor(ids):
-        return contextlib.nullcontext()
-    return torch._C._DisableFuncTorch()
-
-
 def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) -> BipartiteCSC:
     """The (cached) CSC graph of ``edge_index`` with ``num_loops`` self-loops handled as
     :func:`~torch_gradops.graph.csc_from_edges` describes (None: edges kept as they are)."""
@@ -283,7 +274,8 @@ def csc_graph(edge_index, num_src: int, num_dst: int, num_loops: Optional[int]) 
     # whose backward cannot save inference tensors; and plain ones under a torch.func transform
     # (a first call under hessian), which later calls under other transforms could not use
     # ("escaped?"), unless edge_index itself is the transform's (its entry dies with it)
-    with torch.inference_mode(False), _plain_unless_wrapped(edge_index):
+    ids = edge_index.storage.col() if isinstance(edge_index, SparseTensor) else edge_index
+    with torch.inference_mode(False), _func_off_unless_wrapped(ids):
         graph = build()
     if entries is None:
         entries = {}
